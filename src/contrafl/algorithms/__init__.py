@@ -1,0 +1,7 @@
+"""Federated algorithms: one module per algorithm, registered in :data:`ALGORITHMS`."""
+
+from . import fedavg, moon, solo  # noqa: F401  (registration)
+from .base import Algorithm
+from .registry import ALGORITHMS
+
+__all__ = ["ALGORITHMS", "Algorithm"]

@@ -1,0 +1,264 @@
+"""The algorithm interface.
+
+An algorithm says four things and nothing else (the round loop belongs to the engine):
+
+1. what the server sends (:meth:`Algorithm.broadcast`),
+2. the client's local objective (:meth:`Algorithm.client_begin` prepares a
+   :class:`LocalTask`; :meth:`Algorithm.local_loss` or :meth:`Algorithm.stages` give the
+   loss of one batch),
+3. what the client returns (:meth:`Algorithm.client_end` builds a :class:`Reply`),
+4. how the server aggregates (:meth:`Algorithm.aggregate`).
+
+Local objectives are *functions of parameters*: ``local_loss(task, batch, net)`` reads the
+trainable parameters from ``task.params`` and runs the network through ``net`` (a
+``torch.func.functional_call`` wrapper), so an executor can evaluate it for one client
+with ordinary autograd or for many clients at once under ``torch.func.vmap``. For that the
+loss must not branch on tensor values, must not mutate its inputs (the engine updates
+BatchNorm buffers) and must give every client of a round the same task structure (same
+keys and shapes in ``params``, ``buffers``, ``frozen`` and ``consts``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, NamedTuple, Protocol
+
+import torch
+
+from ..models.base import ModelOutput
+
+StateDict = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Federation:
+    """Facts about the simulated federation that algorithms may use.
+
+    Attributes:
+        num_clients: total number of clients ``N``.
+        num_classes: number of labels.
+        rounds: number of communication rounds ``T``.
+        lr, local_epochs, batch_size: the clients' local training settings.
+        param_names: names of the model's trainable parameters (the rest of a state dict
+            are buffers such as BatchNorm statistics).
+        seed: the run's seed (for algorithm-side randomness, e.g. FedSSC's sampling).
+    """
+
+    num_clients: int
+    num_classes: int
+    rounds: int
+    lr: float
+    local_epochs: int
+    batch_size: int
+    param_names: tuple[str, ...]
+    seed: int = 0
+
+    def split(self, state: Mapping[str, torch.Tensor]) -> tuple[StateDict, StateDict]:
+        """Split a full state dict into ``(parameters, buffers)``."""
+        names = set(self.param_names)
+        params = {k: v for k, v in state.items() if k in names}
+        buffers = {k: v for k, v in state.items() if k not in names}
+        return params, buffers
+
+
+class ClientContext(Protocol):
+    """What the engine tells an algorithm about the client it is working for."""
+
+    cid: int
+    round: int
+    num_samples: int
+    label_counts: torch.Tensor  # int64 [num_classes], the client's training labels
+
+    def initial_state(self) -> StateDict:
+        """The client's own random initialisation of the model (built on demand)."""
+
+    def predict(self, state: Mapping[str, torch.Tensor]) -> tuple[ModelOutput, torch.Tensor]:
+        """Eval-mode forward of ``state`` over the client's training data, without
+        augmentation or gradients; returns the outputs and the labels."""
+
+
+@dataclass
+class LocalTask:
+    """The starting point of one client's local training.
+
+    Attributes:
+        params: trainable parameters by role (``{"model": {...}}``; FedSiam-DA also
+            trains a ``"branch"``). Each role is a model of the run's architecture.
+        buffers: buffers (BatchNorm statistics) of each trained role, updated by
+            train-mode forwards.
+        frozen: eval-mode models (full state dicts) used by the loss, never updated, e.g.
+            MOON's global and previous models.
+        consts: other tensors used by the loss (control variates, class representations).
+        snapshots: ``{frozen_name: role}``: at the end of every local epoch the engine
+            copies the current ``role`` model (parameters and buffers) into
+            ``frozen[frozen_name]`` (FedSiam-DA's history model).
+
+    An entry shared by all clients (the same tensor object, e.g. the broadcast global
+    model) is not copied per client by the vectorized executor.
+    """
+
+    params: dict[str, StateDict]
+    buffers: dict[str, StateDict]
+    frozen: dict[str, StateDict] = field(default_factory=dict)
+    consts: dict[str, Any] = field(default_factory=dict)
+    snapshots: dict[str, str] = field(default_factory=dict)
+
+
+class TaskView(NamedTuple):
+    """The per-client tensors a loss sees (one client's slice under ``vmap``)."""
+
+    params: dict[str, StateDict]
+    buffers: dict[str, StateDict]
+    frozen: dict[str, StateDict]
+    consts: dict[str, Any]
+
+
+class Batch(NamedTuple):
+    """One local batch: normalised, augmented inputs and labels.
+
+    ``x`` is ``[B, ...]``, or ``[V, B, ...]`` for algorithms that ask for ``V`` views.
+    """
+
+    x: torch.Tensor
+    y: torch.Tensor
+
+
+class Network(Protocol):
+    """Functional forward of the run's architecture, provided by the engine."""
+
+    def __call__(
+        self, state: Mapping[str, torch.Tensor], x: torch.Tensor, *, train: bool
+    ) -> ModelOutput: ...
+
+
+LossFn = Callable[[TaskView, Batch, Network], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One optimisation step of a local update: minimise ``loss`` over ``trains``.
+
+    Most algorithms have one stage training every role. FedSiam-DA's alternating update
+    (its eqs. 8-9) is two stages: first the global branch, then the local model.
+    """
+
+    loss: LossFn
+    trains: tuple[str, ...] | None = None
+
+
+@dataclass
+class TrainResult:
+    """What local training produced.
+
+    ``stats`` are the per-batch statistics returned by the loss, summed over all local
+    steps; ``steps`` is the number of optimiser steps taken; ``opt_state`` the optimiser
+    state per stage (kept by the engine when optimiser state persists across rounds).
+    """
+
+    params: dict[str, StateDict]
+    buffers: dict[str, StateDict]
+    stats: dict[str, torch.Tensor]
+    steps: int
+    opt_state: list[Any] | None = None
+
+
+@dataclass
+class Reply:
+    """A client's message to the server.
+
+    ``payload`` maps a kind (``"model"``, ``"delta_c"``, ``"class_reps"``) to tensors or
+    nested dicts of tensors; the engine counts its bytes by kind. ``metrics`` are scalars
+    for logging (not counted as communication).
+    """
+
+    cid: int
+    num_samples: int
+    payload: dict[str, Any]
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class ServerState:
+    """The server's state: the global model and whatever else the algorithm keeps."""
+
+    model: StateDict
+    extras: dict[str, Any] = field(default_factory=dict)
+
+
+class Algorithm:
+    """Base class of federated algorithms; subclasses override what differs from FedAvg.
+
+    Class attributes:
+        name, summary, paper: registry name, one-line description and reference.
+        Params: dataclass of hyperparameters (``algorithm.<name>=...``).
+        vectorizable: the local objective can run under ``torch.func.vmap``.
+        evaluates_global: the global model is meaningful (False for SOLO).
+        personalized: clients keep personal models worth evaluating.
+        default_server_momentum: server momentum when ``server_momentum=auto``.
+        views: number of augmented views of each sample the loss needs.
+    """
+
+    name: ClassVar[str] = ""
+    summary: ClassVar[str] = ""
+    paper: ClassVar[str] = ""
+    Params: ClassVar[type]
+    vectorizable: ClassVar[bool] = True
+    evaluates_global: ClassVar[bool] = True
+    personalized: ClassVar[bool] = False
+    default_server_momentum: ClassVar[float] = 0.0
+    views: ClassVar[int] = 1
+
+    def __init__(self, params: Any, federation: Federation) -> None:
+        self.params = params
+        self.federation = federation
+
+    # -- model -------------------------------------------------------------------------
+    @classmethod
+    def predictor_hidden(cls, params: Any) -> int | None:
+        """Hidden width of the prediction MLP the model needs, or None (no predictor)."""
+        return None
+
+    # -- server ------------------------------------------------------------------------
+    def init_server(self, model: StateDict) -> ServerState:
+        return ServerState(model)
+
+    def broadcast(self, server: ServerState, round: int) -> dict[str, Any]:
+        """The message sent to every sampled client."""
+        return {"model": server.model}
+
+    def aggregate(self, server: ServerState, replies: list[Reply], round: int) -> ServerState:
+        raise NotImplementedError
+
+    # -- client ------------------------------------------------------------------------
+    def init_client(self, ctx: ClientContext) -> dict[str, Any]:
+        """The client's persistent state before it first participates."""
+        return {}
+
+    def client_begin(
+        self, message: dict[str, Any], state: dict[str, Any], ctx: ClientContext
+    ) -> LocalTask:
+        params, buffers = self.federation.split(message["model"])
+        return LocalTask(params={"model": params}, buffers={"model": buffers})
+
+    def stages(self, round: int) -> list[Stage]:
+        return [Stage(self.local_loss)]
+
+    def local_loss(
+        self, task: TaskView, batch: Batch, net: Network
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        raise NotImplementedError
+
+    def client_end(
+        self, task: LocalTask, result: TrainResult, state: dict[str, Any], ctx: ClientContext
+    ) -> tuple[Reply, dict[str, Any]]:
+        raise NotImplementedError
+
+    def personal_state(self, state: dict[str, Any], server: ServerState) -> StateDict | None:
+        """The client's personal model for personalised evaluation, if it has one."""
+        return None
+
+
+def model_state(result: TrainResult, role: str = "model") -> StateDict:
+    """The trained ``role`` model as one state dict (parameters and buffers)."""
+    return {**result.params[role], **result.buffers[role]}

@@ -1,0 +1,8 @@
+"""The algorithm registry."""
+
+from __future__ import annotations
+
+from ..registry import Registry
+from .base import Algorithm
+
+ALGORITHMS: Registry[type[Algorithm]] = Registry("algorithm")

@@ -1,0 +1,276 @@
+"""The ``contrafl`` command line.
+
+``contrafl run`` runs a simulation from the embedded defaults, a YAML file and
+``key=value`` overrides; ``contrafl list`` shows what can be chosen; ``contrafl data
+download`` fetches official dataset files; ``contrafl partition`` shows how a dataset is
+split; ``contrafl report`` summarises finished runs. User errors print one line and exit
+with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import textwrap
+from pathlib import Path
+
+from . import __version__
+from .config import COMPONENTS, Config, load_config
+from .errors import ContraflError
+
+EXIT_USAGE = 2
+
+
+def _settings_help() -> str:
+    lines = ["settings (KEY=VALUE):"]
+    for f in dataclasses.fields(Config):
+        if f.name in COMPONENTS:
+            continue
+        default = "auto" if f.default in (None, "auto") else f.default
+        lines.append(f"  {f.name:<24} {f.metadata.get('doc', '')} [default: {default}]")
+    lines.append("")
+    lines.append("components (NAME or component.OPTION=VALUE; see `contrafl list`):")
+    for name in COMPONENTS:
+        default = getattr(Config(), name).name
+        lines.append(f"  {name:<24} [default: {default}]")
+    return "\n".join(lines)
+
+
+def _split_run_args(args: list[str]) -> tuple[str | None, list[str]]:
+    config, overrides = None, []
+    for a in args:
+        if "=" in a:
+            overrides.append(a)
+        elif config is None:
+            config = a
+        else:
+            raise ContraflError(f"unexpected argument '{a}': give at most one CONFIG file, then KEY=VALUE overrides")
+    return config, overrides
+
+
+def cmd_run(ns: argparse.Namespace) -> int:
+    from .engine.progress import Progress
+    from .engine.run_dir import RunDir, default_run_dir
+    from .engine.setup import prepare
+    from .engine.simulation import Simulation
+
+    config_path, overrides = _split_run_args(ns.args)
+    cfg = load_config(config_path, overrides)
+    setup = prepare(cfg)
+    cfg = setup.config
+    path = Path(ns.out) if ns.out else default_run_dir(cfg.algorithm.name, cfg.dataset.name)
+    run_dir = RunDir(path)
+    run_dir.write_config(cfg)
+    setup.partition.save(run_dir.path / "partition.json")
+    out = sys.stdout
+    if not ns.quiet:
+        sizes = [len(r) for r in setup.partition.train]
+        print(
+            f"contrafl {__version__}: {cfg.algorithm.name} on {cfg.dataset.name} "
+            f"({len(setup.data.train)} train / {len(setup.data.test)} test), model {cfg.model.name}, "
+            f"{cfg.num_clients} clients ({cfg.partition.name}; {min(sizes)}-{max(sizes)} samples each), "
+            f"{cfg.rounds} rounds x {cfg.local_epochs} local epochs, device {setup.device.type}",
+            file=out,
+        )
+        print(f"run directory: {run_dir.path}", file=out)
+    sim = Simulation(setup, run_dir, None if ns.quiet else Progress(cfg.rounds, out))
+    try:
+        summary = sim.run()
+    except KeyboardInterrupt:
+        print(f"\ninterrupted after round {sim.rounds_done}; results so far are in {run_dir.path}", file=sys.stderr)
+        return 130
+    except ContraflError as exc:
+        raise ContraflError(f"{exc} (results up to round {sim.rounds_done} are in {run_dir.path})") from None
+    if not ns.quiet:
+        print(format_summary(summary), file=out)
+    return 0
+
+
+def format_summary(summary: dict) -> str:
+    final = summary.get("final", {})
+    parts = [f"done: {summary['rounds_completed']} rounds in {summary['wall_time_s']:.1f}s"]
+    if "test_acc" in final:
+        parts.append(f"final test accuracy {final['test_acc']:.4f}")
+    if "best_test_acc" in summary:
+        parts.append(f"best {summary['best_test_acc']:.4f} (round {summary['best_round']})")
+    if "personal_acc" in final:
+        parts.append(f"client accuracy {final['personal_acc']:.4f} ± {final['personal_acc_std']:.4f}")
+    if summary.get("rounds_to_target") is not None or "target_accuracy" in summary:
+        parts.append(f"rounds to {summary['target_accuracy']:.2%}: {summary.get('rounds_to_target') or 'not reached'}")
+    mb = sum(summary["bytes_total"]["down"].values()) + sum(summary["bytes_total"]["up"].values())
+    parts.append(f"communication {mb / 2**20:.1f} MiB")
+    return "; ".join(parts)
+
+
+def cmd_list(ns: argparse.Namespace) -> int:
+    from . import params as P
+    from .algorithms import ALGORITHMS
+    from .data import augment
+    from .data.partition import PARTITIONS
+    from .data.registry import DATASETS
+    from .models import MODELS
+    from .models.registry import HeadOptions
+
+    what = ns.what
+    def options(cls: type, prefix: str) -> None:
+        for name, default, doc in P.describe(cls):
+            print(f"      {prefix}.{name}={default}  {doc}")
+
+    if what in ("all", "algorithms"):
+        print("algorithms (algorithm=NAME, options algorithm.OPTION=VALUE):")
+        for name, cls in ALGORITHMS.items():
+            print(f"  {name:<12} {cls.summary}")
+            options(cls.Params, "algorithm")
+    if what in ("all", "datasets"):
+        print("datasets (dataset=NAME):")
+        for name, spec in DATASETS.items():
+            rec = ", ".join(f"{k} {v}" for k, v in spec.recommended.items())
+            print(f"  {name:<12} {spec.summary} [model {spec.default_model}; {rec}]")
+            options(spec.options, "dataset")
+    if what in ("all", "partitions"):
+        print("partitions (partition=NAME):")
+        for name, spec in PARTITIONS.items():
+            print(f"  {name:<12} {spec.summary}")
+            options(spec.options, "partition")
+    if what in ("all", "models"):
+        print("models (model=NAME; every model takes the head options below):")
+        for name, spec in MODELS.items():
+            print(f"  {name:<12} {spec.summary}")
+            options(spec.options, "model")
+        print("  head options:")
+        options(HeadOptions, "model")
+    if what in ("all", "augmentations"):
+        print("augmentations (augment=NAME):")
+        for name in augment.AUGMENTATIONS.names():
+            print(f"  {name}")
+    return 0
+
+
+def cmd_download(ns: argparse.Namespace) -> int:
+    from .data.registry import DATASETS
+
+    spec = DATASETS.get(ns.name)
+    if spec.download is None:
+        raise ContraflError(f"dataset {spec.name} is bundled or generated and needs no download")
+    path = spec.download(Path(ns.data_dir).expanduser())
+    print(f"{spec.name}: files verified in {path}")
+    return 0
+
+
+def cmd_partition(ns: argparse.Namespace) -> int:
+    from .data.partition import format_partition
+    from .engine.setup import prepare
+    from .eval.plots import plot_partition_heatmap
+
+    config_path, overrides = _split_run_args(ns.args)
+    setup = prepare(load_config(config_path, overrides))
+    data, partition = setup.data, setup.partition
+    labels = data.train.y.numpy()
+    print(format_partition(partition, labels, data.classes))
+    out = Path(ns.out or f"partition-{setup.config.dataset.name}-{partition.method}.png")
+    plot_partition_heatmap(
+        partition.counts(labels, data.num_classes),
+        out,
+        classes=data.classes,
+        title=f"{data.name}, {partition.method} {json.dumps(partition.options)}",
+    )
+    if ns.json:
+        partition.save(Path(ns.json))
+    print(f"heatmap written to {out}")
+    return 0
+
+
+def cmd_report(ns: argparse.Namespace) -> int:
+    from .eval.report import report
+
+    print(report([Path(p) for p in ns.runs], target=ns.target, target_from=ns.target_from))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    fmt = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(
+        prog="contrafl",
+        description="Federated learning on non-IID data, centred on contrastive methods.",
+        formatter_class=fmt,
+    )
+    parser.add_argument("--version", action="version", version=f"contrafl {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    run = sub.add_parser(
+        "run",
+        help="run a federated simulation",
+        description=textwrap.dedent(
+            """\
+            Run a federated simulation. With no arguments: scikit-learn's digits, 10 clients,
+            Dirichlet(0.5) label skew, FedAvg. CONFIG is a YAML file of the settings below;
+            KEY=VALUE overrides it, e.g.
+              contrafl run algorithm=moon algorithm.mu=5 rounds=20
+              contrafl run dataset=cifar10 data_dir=DIR allow_subset=true rounds=5
+            The run directory holds config.yaml (resolved), partition.json, metrics.jsonl,
+            summary.json and checkpoint.pt."""
+        ),
+        epilog=_settings_help(),
+        formatter_class=fmt,
+    )
+    run.add_argument("args", nargs="*", metavar="[CONFIG] KEY=VALUE", help="config file and overrides")
+    run.add_argument("--out", metavar="DIR", help="run directory (default: runs/<time>-<algorithm>-<dataset>)")
+    run.add_argument("--quiet", action="store_true", help="print nothing; results go to the run directory")
+    run.set_defaults(func=cmd_run)
+
+    lst = sub.add_parser("list", help="list algorithms, datasets, partitions, models, augmentations",
+                         description="List what can be chosen, with options and defaults.")
+    lst.add_argument("what", nargs="?", default="all",
+                     choices=["all", "algorithms", "datasets", "partitions", "models", "augmentations"])
+    lst.set_defaults(func=cmd_list)
+
+    data = sub.add_parser("data", help="dataset files", description="Manage dataset files.")
+    data_sub = data.add_subparsers(dest="data_command", metavar="ACTION")
+    data_sub.required = True
+    dl = data_sub.add_parser("download", help="download official files and verify their checksums",
+                             description="Download a dataset's official archive, verify its checksum and extract it.")
+    dl.add_argument("name", help="dataset name (see `contrafl list datasets`)")
+    dl.add_argument("--data-dir", required=True, metavar="DIR", help="where to put the files")
+    dl.set_defaults(func=cmd_download)
+
+    part = sub.add_parser(
+        "partition",
+        help="show how a dataset is split among clients",
+        description=textwrap.dedent(
+            """\
+            Print per-client statistics of a partition and write a heatmap of samples per
+            client and class (like MOON's Figure 5). Takes the same CONFIG and KEY=VALUE as
+            `contrafl run`, e.g.
+              contrafl partition dataset=cifar10 data_dir=DIR allow_subset=true partition.beta=0.1"""
+        ),
+        formatter_class=fmt,
+    )
+    part.add_argument("args", nargs="*", metavar="[CONFIG] KEY=VALUE")
+    part.add_argument("--out", metavar="PNG", help="heatmap path (default: partition-<dataset>-<method>.png)")
+    part.add_argument("--json", metavar="FILE", help="also save the partition as JSON")
+    part.set_defaults(func=cmd_partition)
+
+    rep = sub.add_parser("report", help="summarise finished runs",
+                         description="Final and best accuracy of runs, and rounds to reach a target accuracy (MOON Table 2).")
+    rep.add_argument("runs", nargs="+", metavar="RUN_DIR")
+    rep.add_argument("--target", type=float, help="accuracy to reach, e.g. 0.68")
+    rep.add_argument("--target-from", metavar="RUN_DIR", help="use this run's final accuracy as the target (e.g. FedAvg's)")
+    rep.set_defaults(func=cmd_report)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    try:
+        return ns.func(ns)
+    except ContraflError as exc:
+        print(f"contrafl: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

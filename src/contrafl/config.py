@@ -1,0 +1,207 @@
+"""Run configuration: YAML files, ``key=value`` overrides, validation and ``auto`` values.
+
+A configuration is a flat set of settings plus four *components*: ``dataset``,
+``partition``, ``model`` and ``algorithm``. A component is written either as a name
+(``algorithm: moon``) or as a mapping with a ``name`` and the component's own options
+(``algorithm: {name: moon, mu: 5}``). On the command line ``algorithm=moon`` sets the name
+and ``algorithm.mu=5`` an option; changing a component's name drops options given for
+the previous component earlier in the file.
+
+Settings whose value is ``auto`` are filled in by :func:`resolve` from the dataset's
+recommendations (model, batch size, rounds, local epochs, augmentation) and the
+algorithm (server momentum); the resolved configuration is what a run directory records.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from . import params as P
+from .errors import ConfigError
+
+COMPONENTS = ("dataset", "partition", "model", "algorithm")
+
+
+@dataclass(frozen=True)
+class Component:
+    """A named, configurable part of a run (dataset, partition, model, algorithm)."""
+
+    name: str
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def as_yaml(self) -> Any:
+        return {"name": self.name, **self.options} if self.options else self.name
+
+
+_pos = P.Interval(0, None, "neither")
+_nonneg = P.Interval(0, None)
+
+
+@dataclass(frozen=True)
+class Config:
+    """Every setting of a run. ``None`` means ``auto`` where the doc says so."""
+
+    dataset: Component = field(default_factory=lambda: Component("digits"))
+    partition: Component = field(default_factory=lambda: Component("dirichlet"))
+    model: Component = field(default_factory=lambda: Component("auto"))
+    algorithm: Component = field(default_factory=lambda: Component("fedavg"))
+
+    seed: int = P.param(0, P.Interval(0, 2**63 - 1), "seed of every random stream of the run")
+    data_dir: str | None = P.param(None, None, "directory of the dataset files")
+    allow_subset: bool = P.param(False, None, "accept well-formed files that fail the official checksum (subsets)")
+    download: bool = P.param(False, None, "download missing official files into data_dir")
+    num_clients: int = P.param(10, P.Interval(1, None), "number of clients N")
+    test_fraction: float = P.param(0.0, P.Interval(0, 1, "left"), "per-client test split (PFLlib uses 0.25); 0 = none")
+    sample_fraction: float = P.param(1.0, P.Interval(0, 1, "right"), "fraction of clients sampled per round")
+    rounds: int | None = P.param(None, P.Interval(1, None), "communication rounds (auto: the dataset's)")
+    local_epochs: int | None = P.param(None, P.Interval(0, None), "local epochs per round (auto: the dataset's)")
+    batch_size: int | None = P.param(None, P.Interval(1, None), "local batch size (auto: the dataset's)")
+    drop_last: bool = P.param(True, None, "drop each epoch's incomplete last batch (MOON's DataLoader)")
+    augment: str = P.param("auto", None, "training augmentation pipeline (auto: the dataset's)")
+    optimizer: str = P.param("sgd", P.OneOf(("sgd", "adam")), "client optimiser")
+    lr: float = P.param(0.01, _pos, "client learning rate")
+    momentum: float = P.param(0.9, P.Interval(0, 1, "left"), "SGD momentum")
+    weight_decay: float = P.param(1e-5, _nonneg, "L2 weight decay")
+    persist_optimizer_state: bool = P.param(False, None, "keep each client's optimiser state across rounds")
+    server_lr: float = P.param(1.0, _pos, "server learning rate on the aggregate")
+    server_momentum: float | None = P.param(None, P.Interval(0, 1, "left"), "server momentum beta (FedAvgM; auto: the algorithm's)")
+    executor: str = P.param("auto", P.OneOf(("auto", "sequential", "vectorized")), "how clients are trained")
+    device: str = P.param("auto", P.OneOf(("auto", "cpu", "cuda")), "where training runs")
+    precision: str = P.param("fp32", P.OneOf(("fp32", "bf16")), "bf16 autocast on CUDA")
+    eval_every: int = P.param(1, P.Interval(1, None), "evaluate every this many rounds (and the last)")
+    eval_batch_size: int = P.param(1000, P.Interval(1, None), "batch size of evaluation")
+    eval_personal: bool | None = P.param(None, None, "evaluate clients' personal models (auto: if the algorithm has them)")
+    target_accuracy: float | None = P.param(None, P.Interval(0, 1), "report the first round reaching this test accuracy")
+    client_memory_gb: float = P.param(4.0, _pos, "memory for client states before spilling to disk")
+    vectorize_memory_gb: float = P.param(2.0, _pos, "memory budget of one vectorized chunk of clients")
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            out[f.name] = v.as_yaml() if isinstance(v, Component) else v
+        return out
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+SETTINGS = [f.name for f in dataclasses.fields(Config) if f.name not in COMPONENTS]
+# ``auto`` is accepted for the settings whose default is None or "auto"
+_AUTO = {f.name for f in dataclasses.fields(Config) if f.name in SETTINGS and f.default in (None, "auto")}
+
+
+def _component(value: Any, key: str) -> Component:
+    if isinstance(value, Component):
+        return value
+    if isinstance(value, str):
+        return Component(value)
+    if isinstance(value, Mapping):
+        if "name" not in value:
+            raise ConfigError(f"{key} needs a name, e.g. '{key}: {{name: ..., ...}}' or '{key}=NAME'")
+        options = {k: v for k, v in value.items() if k != "name"}
+        return Component(str(value["name"]), options)
+    raise ConfigError(f"{key}={value!r} is invalid: expected a name or a mapping with a name")
+
+
+def _merge(tree: dict[str, Any], updates: Mapping[str, Any], source: str) -> None:
+    """Merge a parsed YAML mapping into ``tree`` (components are replaced or extended)."""
+    for key, value in updates.items():
+        if key in COMPONENTS:
+            new = _component(value, key)
+            old = tree.get(key)
+            if isinstance(old, Component) and old.name == new.name and isinstance(value, Mapping):
+                new = Component(new.name, {**old.options, **new.options})
+            tree[key] = new
+        elif key in SETTINGS:
+            tree[key] = value
+        else:
+            raise ConfigError(f"unknown setting '{key}' in {source}{_hint(key)}")
+
+
+def parse_overrides(items: Sequence[str]) -> list[tuple[str, str]]:
+    """``["a=1", "algorithm.mu=5"]`` → ``[("a", "1"), ("algorithm.mu", "5")]``."""
+    pairs = []
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"cannot read override '{item}': expected KEY=VALUE, e.g. rounds=20 or algorithm.mu=5")
+        pairs.append((key.strip(), value.strip()))
+    return pairs
+
+
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:
+    """The configuration of a run: defaults, then the YAML file, then ``key=value`` overrides."""
+    tree: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}; give the path of a YAML file or only KEY=VALUE overrides")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f" at line {mark.line + 1}" if mark else ""
+            raise ConfigError(f"{path} is not valid YAML{where}; fix the syntax") from None
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"{path} must contain a mapping of settings, not {type(data).__name__}")
+        _merge(tree, data, str(path))
+    pairs = parse_overrides(overrides)
+    # names first, so that `algorithm.mu=5 algorithm=moon` keeps mu
+    for key, value in sorted(pairs, key=lambda kv: "." in kv[0]):
+        head, dot, option = key.partition(".")
+        if dot:
+            if head not in COMPONENTS:
+                raise ConfigError(f"unknown setting '{key}'{P.suggest(head, list(COMPONENTS))}; only {', '.join(COMPONENTS)} have options")
+            old = tree.get(head) or getattr(Config(), head)
+            tree[head] = Component(old.name, {**old.options, option: value})
+        elif key in COMPONENTS:
+            old = tree.get(key)
+            keep = old.options if isinstance(old, Component) and old.name == value else {}
+            tree[key] = Component(value, keep)
+        elif key in SETTINGS:
+            tree[key] = value
+        else:
+            raise ConfigError(f"unknown setting '{key}'{_hint(key)}")
+    return build_config(tree)
+
+
+def _hint(key: str) -> str:
+    close = P.suggest(key, SETTINGS + list(COMPONENTS))
+    if close:
+        return close
+    return (
+        "; options of a component are written with its name, e.g. algorithm.mu=5 or "
+        "partition.beta=0.1 (see `contrafl list` and `contrafl run --help`)"
+    )
+
+
+def build_config(tree: Mapping[str, Any]) -> Config:
+    """Validate a mapping of settings and components into a :class:`Config`."""
+    settings = {}
+    for key, value in tree.items():
+        if key in COMPONENTS:
+            continue
+        if key in _AUTO and isinstance(value, str) and value.lower() == "auto":
+            value = None if getattr(Config(), key) is None else "auto"
+        settings[key] = value
+    components = {k: _component(v, k) for k, v in tree.items() if k in COMPONENTS}
+    settings_cls = _settings_class()
+    built = P.build(settings_cls, settings, "")
+    return Config(**components, **{f.name: getattr(built, f.name) for f in dataclasses.fields(built)})
+
+
+def _settings_class() -> type:
+    """Config without its components, for :func:`contrafl.params.build`."""
+    fields = [
+        (f.name, f.type, dataclasses.field(default=f.default, metadata=f.metadata))
+        for f in dataclasses.fields(Config)
+        if f.name in SETTINGS
+    ]
+    return dataclasses.make_dataclass("Settings", fields, frozen=True, namespace={"__module__": __name__})

@@ -1,0 +1,69 @@
+"""In-memory dataset containers shared by loaders, partitioners and executors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class ArrayDataset:
+    """Samples held in memory as tensors.
+
+    ``x`` is ``uint8 [N, C, H, W]`` for images (raw pixel values, normalised later by the
+    batched transforms) or ``float32 [N, D]`` for tabular data (already scaled).
+    ``y`` is ``int64 [N]``.
+    """
+
+    x: torch.Tensor
+    y: torch.Tensor
+
+    def __post_init__(self) -> None:
+        if self.x.shape[0] != self.y.shape[0]:
+            raise ValueError(f"x has {self.x.shape[0]} rows but y has {self.y.shape[0]}")
+
+    def __len__(self) -> int:
+        return int(self.y.shape[0])
+
+    def to(self, device: torch.device | str) -> "ArrayDataset":
+        return ArrayDataset(self.x.to(device), self.y.to(device))
+
+
+@dataclass
+class FederatedDataset:
+    """A dataset ready for federated simulation.
+
+    Attributes:
+        name: registry name (``cifar10``...).
+        train, test: the official train and test splits.
+        classes: class names; ``len(classes)`` is the number of classes.
+        mean, std: per-channel normalisation constants (images) or ``None`` (tabular).
+        natural_partition: for datasets that are federated by construction
+            (FedProx's Synthetic), ``{"train": [...], "test": [...]}`` lists of index
+            lists, one per client; ``None`` otherwise.
+        info: provenance, e.g. ``{"subset": True}`` when a checksum-mismatching subset was
+            accepted explicitly.
+    """
+
+    name: str
+    train: ArrayDataset
+    test: ArrayDataset
+    classes: list[str]
+    mean: tuple[float, ...] | None = None
+    std: tuple[float, ...] | None = None
+    natural_partition: dict[str, list[list[int]]] | None = None
+    info: dict = field(default_factory=dict)
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.classes)
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        """Shape of one sample, e.g. ``(3, 32, 32)`` or ``(64,)``."""
+        return tuple(self.train.x.shape[1:])
+
+    @property
+    def is_image(self) -> bool:
+        return self.train.x.dim() == 4

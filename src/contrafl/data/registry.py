@@ -1,0 +1,69 @@
+"""The dataset registry: how to load each dataset and its recommended settings."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..registry import Registry
+from .base import FederatedDataset
+
+
+@dataclass(frozen=True)
+class EmptyOptions:
+    """Datasets without options of their own."""
+
+
+@dataclass(frozen=True)
+class LoadRequest:
+    """Everything a loader needs.
+
+    Attributes:
+        data_dir: directory holding the dataset files (``None`` for bundled/generated data).
+        allow_subset: accept files that fail the official checksum but are well-formed,
+            e.g. the 10% CIFAR-10 subset in ``../shared/data``; corruption is still detected.
+        download: fetch missing official files into ``data_dir`` first.
+        options: the dataset's own options (an instance of ``DatasetSpec.options``).
+        num_clients, seed: for datasets generated per client (FedProx Synthetic).
+    """
+
+    data_dir: Path | None = None
+    allow_subset: bool = False
+    download: bool = False
+    options: Any = field(default_factory=EmptyOptions)
+    num_clients: int = 10
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class DatasetSpec:
+    """A registered dataset.
+
+    Attributes:
+        name: registry name.
+        summary: one line for ``contrafl list``.
+        load: ``LoadRequest -> FederatedDataset``.
+        default_model: model used when ``model=auto``.
+        augment: name of the training augmentation pipeline in :mod:`contrafl.data.augment`.
+        recommended: defaults for ``auto`` settings (``batch_size``, ``rounds``,
+            ``local_epochs``) taken from the papers that use the dataset.
+        options: dataclass of dataset-specific options (``dataset.<option>=...``).
+        download: ``(data_dir: Path) -> Path`` fetching the official archive and verifying
+            its checksum; ``None`` for bundled or generated datasets.
+        needs_data_dir: whether ``data_dir`` must be given.
+    """
+
+    name: str
+    summary: str
+    load: Callable[[LoadRequest], FederatedDataset]
+    default_model: str
+    augment: str
+    recommended: Mapping[str, Any]
+    options: type = EmptyOptions
+    download: Callable[[Path], Path] | None = None
+    needs_data_dir: bool = True
+
+
+DATASETS: Registry[DatasetSpec] = Registry("dataset")

@@ -1,0 +1,1 @@
+"""contrafl.engine"""

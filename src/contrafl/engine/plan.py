@@ -1,0 +1,79 @@
+"""A client's local-training schedule, drawn before training starts.
+
+The schedule fixes which samples form each batch and the random augmentation parameters
+of every sample, from a generator keyed by (seed, round, client). Executors only consume
+it, so the sequential and the vectorized executor see identical batches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass
+class ClientPlan:
+    """Local steps of one client.
+
+    Attributes:
+        order: int64 ``[total]`` dataset rows in the order they are used.
+        sizes: batch size of every step (``sum(sizes) == total``).
+        aug: one dict of augmentation parameters per view, each tensor ``[total, ...]``
+            aligned with ``order``.
+        epoch_ends: steps after which a local epoch is complete.
+    """
+
+    order: torch.Tensor
+    sizes: list[int]
+    aug: list[dict[str, torch.Tensor]]
+    epoch_ends: frozenset[int]
+
+    def __post_init__(self) -> None:
+        self.offsets = np.concatenate([[0], np.cumsum(self.sizes)]).astype(int).tolist()
+
+    @property
+    def steps(self) -> int:
+        return len(self.sizes)
+
+    def batch(self, step: int) -> tuple[torch.Tensor, list[dict[str, torch.Tensor]]]:
+        """Rows and augmentation parameters of ``step``."""
+        a, b = self.offsets[step], self.offsets[step + 1]
+        return self.order[a:b], [{k: v[a:b] for k, v in view.items()} for view in self.aug]
+
+    def to(self, device: torch.device) -> "ClientPlan":
+        aug = [{k: v.to(device) for k, v in view.items()} for view in self.aug]
+        return ClientPlan(self.order.to(device), self.sizes, aug, self.epoch_ends)
+
+
+def make_plan(
+    rows: np.ndarray,
+    epochs: int,
+    batch_size: int,
+    drop_last: bool,
+    sample_aug,
+    views: int,
+    generator: torch.Generator,
+) -> ClientPlan:
+    """Shuffle ``rows`` once per epoch and cut batches of ``batch_size``.
+
+    With ``drop_last`` (MOON's DataLoader setting) the last incomplete batch of each epoch
+    is dropped, so a client with fewer than ``batch_size`` samples takes no step.
+    ``sample_aug(n, generator)`` draws the augmentation parameters of ``n`` samples.
+    """
+    rows_t = torch.as_tensor(np.asarray(rows), dtype=torch.long)
+    n = len(rows_t)
+    full, rest = divmod(n, batch_size)
+    epoch_sizes = [batch_size] * full + ([] if drop_last or rest == 0 else [rest])
+    used = sum(epoch_sizes)
+    order, sizes, ends = [], [], []
+    for _ in range(epochs):
+        perm = torch.randperm(n, generator=generator)[:used]
+        order.append(rows_t[perm])
+        sizes.extend(epoch_sizes)
+        if epoch_sizes:
+            ends.append(len(sizes) - 1)
+    order_t = torch.cat(order) if order else torch.zeros(0, dtype=torch.long)
+    aug = [sample_aug(len(order_t), generator) for _ in range(views)]
+    return ClientPlan(order_t, sizes, aug, frozenset(ends))

@@ -1,0 +1,174 @@
+"""From a configuration to the components of a simulation.
+
+:func:`prepare` validates every component's options, fills the ``auto`` settings
+(dataset recommendations, the algorithm's server momentum, the device), loads the data,
+partitions it and builds the algorithm. The returned :class:`Setup` carries the *resolved*
+configuration, which is what a run directory records.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .. import params as P
+from ..algorithms import ALGORITHMS, Algorithm
+from ..algorithms.base import Federation
+from ..config import Component, Config
+from ..data import augment
+from ..data.base import FederatedDataset
+from ..data.partition import PARTITIONS, Partition, make_partition
+from ..data.registry import DATASETS, LoadRequest
+from ..errors import ConfigError
+from ..models import MODELS, build_model
+from ..models.registry import split_options
+from ..models.base import FedModel
+from .rng import derive_seed
+
+
+@dataclass
+class Setup:
+    """Everything a :class:`~contrafl.engine.simulation.Simulation` is made of."""
+
+    config: Config
+    data: FederatedDataset
+    partition: Partition
+    algorithm: Algorithm
+    model: FedModel
+    model_factory: Callable[[int], FedModel]
+    train_transform: augment.Transform
+    eval_transform: augment.Transform
+    device: torch.device
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device=cuda but PyTorch sees no CUDA device; use device=cpu or device=auto")
+    return torch.device(name)
+
+
+def load_data(cfg: Config) -> tuple[FederatedDataset, Component]:
+    """Load the configured dataset; returns it and its validated component."""
+    spec = DATASETS.get(cfg.dataset.name)
+    options = P.build(spec.options, cfg.dataset.options, "dataset")
+    data_dir = Path(cfg.data_dir).expanduser() if cfg.data_dir else None
+    if spec.needs_data_dir and data_dir is None:
+        raise ConfigError(
+            f"dataset {spec.name} needs data_dir=DIR; get the files with "
+            f"`contrafl data download {spec.name} --data-dir DIR`"
+        )
+    if data_dir is not None and spec.needs_data_dir and not data_dir.exists() and not cfg.download:
+        raise ConfigError(
+            f"data_dir={cfg.data_dir} does not exist; point it to the {spec.name} files or get them "
+            f"with `contrafl data download {spec.name} --data-dir {cfg.data_dir}`"
+        )
+    request = LoadRequest(
+        data_dir=data_dir,
+        allow_subset=cfg.allow_subset,
+        download=cfg.download,
+        options=options,
+        num_clients=cfg.num_clients,
+        seed=cfg.seed,
+    )
+    return spec.load(request), Component(spec.name, P.to_dict(options))
+
+
+def prepare(cfg: Config) -> Setup:
+    """Validate and resolve ``cfg``, load and partition the data, build the algorithm."""
+    algo_cls = ALGORITHMS.get(cfg.algorithm.name)
+    algo_params = P.build(algo_cls.Params, cfg.algorithm.options, "algorithm")
+    device = resolve_device(cfg.device)
+    spec = DATASETS.get(cfg.dataset.name)
+    rec = spec.recommended
+    model_name = spec.default_model if cfg.model.name == "auto" else cfg.model.name
+    head, backbone = split_options(MODELS.get(model_name), cfg.model.options)
+    augment_name = spec.augment if cfg.augment == "auto" else cfg.augment
+    augment.AUGMENTATIONS.get(augment_name)
+    partition_name = cfg.partition.name
+    PARTITIONS.get(partition_name)
+
+    data, dataset_component = load_data(cfg)
+    if data.natural_partition is not None and partition_name != "natural":
+        raise ConfigError(
+            f"dataset {data.name} is federated by construction; use partition=natural "
+            f"(got partition={partition_name})"
+        )
+    labels = data.train.y.numpy()
+    if cfg.num_clients > len(labels):
+        raise ConfigError(
+            f"num_clients={cfg.num_clients} is larger than the {len(labels)} training samples of "
+            f"{data.name}; choose num_clients <= {len(labels)}"
+        )
+    partition = make_partition(
+        labels,
+        cfg.num_clients,
+        partition_name,
+        cfg.partition.options,
+        seed=cfg.seed,
+        test_fraction=cfg.test_fraction,
+        natural=(data.natural_partition or {}).get("train"),
+        num_classes=data.num_classes,
+    )
+
+    cfg = dataclasses.replace(
+        cfg,
+        dataset=dataset_component,
+        partition=Component(partition.method, dict(partition.options)),
+        model=Component(model_name, {**P.to_dict(head), **P.to_dict(backbone)}),
+        algorithm=Component(algo_cls.name, P.to_dict(algo_params)),
+        rounds=cfg.rounds if cfg.rounds is not None else rec["rounds"],
+        local_epochs=cfg.local_epochs if cfg.local_epochs is not None else rec["local_epochs"],
+        batch_size=cfg.batch_size if cfg.batch_size is not None else rec["batch_size"],
+        augment=augment_name,
+        server_momentum=(
+            cfg.server_momentum if cfg.server_momentum is not None else algo_cls.default_server_momentum
+        ),
+        device=device.type,
+        eval_personal=cfg.eval_personal if cfg.eval_personal is not None else algo_cls.personalized,
+    )
+
+    model_factory = functools.partial(init_model, cfg, data, algo_cls, algo_params)
+    model = model_factory(derive_seed(cfg.seed, "global-init"))
+    federation = Federation(
+        num_clients=cfg.num_clients,
+        num_classes=data.num_classes,
+        rounds=cfg.rounds,
+        lr=cfg.lr,
+        local_epochs=cfg.local_epochs,
+        batch_size=cfg.batch_size,
+        param_names=tuple(name for name, _ in model.named_parameters()),
+        seed=cfg.seed,
+    )
+    algorithm = algo_cls(algo_params, federation)
+    return Setup(
+        config=cfg,
+        data=data,
+        partition=partition,
+        algorithm=algorithm,
+        model=model,
+        model_factory=model_factory,
+        train_transform=augment.AUGMENTATIONS.get(augment_name)(data.mean, data.std),
+        eval_transform=augment.eval_transform(data.mean, data.std),
+        device=device,
+    )
+
+
+def init_model(cfg: Config, data: FederatedDataset, algo_cls: type[Algorithm], algo_params, seed: int) -> FedModel:
+    """The run's architecture, randomly initialised from ``seed``."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return build_model(
+            cfg.model.name,
+            data.input_shape,
+            data.num_classes,
+            cfg.model.options,
+            predictor_hidden=algo_cls.predictor_hidden(algo_params),
+        )
+

@@ -1,0 +1,246 @@
+"""The vectorized executor: many clients trained in one batched computation.
+
+The sampled clients' parameters, buffers, optimiser states and per-client frozen models
+are stacked along a leading client dimension, and every local step evaluates the
+algorithm's loss for all of them at once with
+``vmap(grad_and_value(loss))`` over ``torch.func.functional_call``. One optimiser update
+(the same plain-tensor code as the sequential executor) then moves all clients.
+
+Clients whose local datasets differ in size take different numbers of steps. Clients are
+sorted by their number of steps, longest first, so the clients still training at step
+``s`` are a prefix ``[:a]`` of the stack; every update works on views ``[:a]``, and a
+client that has finished its epochs is neither updated nor has its optimiser state or
+BatchNorm statistics touched. Tensors shared by all clients (the broadcast global model,
+SCAFFOLD's server control variate) are passed unbatched (``in_dims=None``) instead of
+being copied per client.
+
+Clients are trained in chunks that fit ``memory_bytes``; the per-client memory is
+measured on the first client by counting the tensors autograd saves for one step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+from torch.func import grad_and_value, vmap
+from torch.utils import _pytree as pytree
+
+from ..algorithms.base import Batch, Stage, TaskView, TrainResult
+from .client_store import state_bytes
+from .executor import Job, SequentialExecutor, Workload, stage_keys
+from .plan import ClientPlan
+
+
+def stack_trees(trees: list[Any], force: bool = False) -> tuple[Any, Any]:
+    """Stack the leaves of structurally identical trees along a new dim 0.
+
+    A leaf that is the same object in every tree is kept unstacked (its in_dim is None)
+    unless ``force``. Returns ``(stacked_tree, in_dims_tree)``.
+    """
+    flat, spec = pytree.tree_flatten(trees[0])
+    others = [pytree.tree_flatten(t) for t in trees[1:]]
+    for leaves, other_spec in others:
+        if other_spec != spec:
+            raise ValueError("clients of a round must have tasks of the same structure to be vectorized")
+    out, dims = [], []
+    for i, leaf in enumerate(flat):
+        column = [leaf] + [leaves[i] for leaves, _ in others]
+        if not isinstance(leaf, torch.Tensor):
+            out.append(leaf)
+            dims.append(None)
+        elif not force and all(c is leaf for c in column):
+            out.append(leaf)
+            dims.append(None)
+        else:
+            out.append(torch.stack([c.detach() for c in column]))
+            dims.append(0)
+    return pytree.tree_unflatten(out, spec), pytree.tree_unflatten(dims, spec)
+
+
+def slice_tree(tree: Any, dims: Any, a: int) -> Any:
+    """Views ``[:a]`` of the batched leaves of ``tree`` (unbatched leaves unchanged)."""
+    return pytree.tree_map(lambda x, d: x[:a] if d == 0 else x, tree, dims)
+
+
+def unstack(tree: Any, dims: Any, i: int) -> Any:
+    """Client ``i``'s slice of a stacked tree, copied so it owns its storage."""
+    return pytree.tree_map(lambda x, d: x[i].clone() if d == 0 else x, tree, dims)
+
+
+def saved_bytes_of_step(workload: Workload, job: Job) -> int:
+    """Bytes autograd saves for one local step of ``job`` (activation memory)."""
+    seen: set[int] = set()
+    total = 0
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        nonlocal total
+        key = t.untyped_storage().data_ptr()
+        if key not in seen:
+            seen.add(key)
+            total += t.untyped_storage().nbytes()
+        return t
+
+    probe = Job(job.cid, job.task, _first_step(job.plan), job.seed)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        SequentialExecutor(workload).train([probe])
+    return total
+
+
+def _first_step(plan: ClientPlan) -> ClientPlan:
+    n = plan.sizes[0] if plan.sizes else 0
+    aug = [{k: v[:n] for k, v in view.items()} for view in plan.aug]
+    return ClientPlan(plan.order[:n], plan.sizes[:1], aug, frozenset())
+
+
+class VectorizedExecutor:
+    """Trains a group of clients together with ``torch.func.vmap``."""
+
+    name = "vectorized"
+
+    def __init__(self, workload: Workload, memory_bytes: float) -> None:
+        self.workload = workload
+        self.memory_bytes = memory_bytes
+        self._grad_fns: dict[tuple, Callable] = {}
+
+    def client_bytes(self, job: Job) -> int:
+        """Estimated memory of one client in a stacked chunk."""
+        task = job.task
+        params = state_bytes(task.params)
+        per_client = 4 * params + state_bytes(task.buffers)  # params, grads, optimiser state, update temporaries
+        per_client += sum(state_bytes(v) for v in task.frozen.values())
+        per_client += job.plan.order.numel() * 8
+        return per_client + 2 * saved_bytes_of_step(self.workload, job)
+
+    def chunk_size(self, job: Job) -> int:
+        return max(1, int(self.memory_bytes // max(self.client_bytes(job), 1)))
+
+    def run(self, make_job: Callable[[int], Job], cids: Iterable[int]) -> Iterator[tuple[Job, TrainResult]]:
+        """Build jobs lazily and train them in chunks that fit the memory budget."""
+        cids = list(cids)
+        if not cids:
+            return
+        first = make_job(cids[0])
+        size = self.chunk_size(first)
+        chunk = [first]
+        for cid in cids[1:]:
+            if len(chunk) == size:
+                yield from zip(chunk, self.train(chunk))
+                chunk = []
+            chunk.append(make_job(cid))
+        yield from zip(chunk, self.train(chunk))
+
+    # -- training -----------------------------------------------------------------
+    def train(self, jobs: list[Job]) -> list[TrainResult]:
+        order = sorted(range(len(jobs)), key=lambda i: -jobs[i].plan.steps)
+        jobs_sorted = [jobs[i] for i in order]
+        results = self._train_sorted(jobs_sorted)
+        out: list[TrainResult | None] = [None] * len(jobs)
+        for i, r in zip(order, results):
+            out[i] = r
+        return out  # type: ignore[return-value]
+
+    def _train_sorted(self, jobs: list[Job]) -> list[TrainResult]:
+        w = self.workload
+        tasks = [j.task for j in jobs]
+        K = len(jobs)
+        steps = [j.plan.steps for j in jobs]
+        sizes = {s for j in jobs for s in j.plan.sizes}
+        if len(sizes) > 1:
+            raise ValueError("the vectorized executor needs equal batch sizes (drop_last=true)")
+        B = sizes.pop() if sizes else 0
+
+        params, _ = stack_trees([t.params for t in tasks], force=True)
+        buffers, _ = stack_trees([t.buffers for t in tasks], force=True)
+        snap_names = set(tasks[0].snapshots)
+        frozen_shared, frozen_dims = stack_trees([{k: v for k, v in t.frozen.items() if k not in snap_names} for t in tasks])
+        frozen_snap, _ = stack_trees([{k: t.frozen[k] for k in snap_names if k in t.frozen} for t in tasks], force=True)
+        frozen = {**frozen_shared, **frozen_snap}
+        frozen_dims = {**frozen_dims, **pytree.tree_map(lambda _: 0, frozen_snap)}
+        consts, consts_dims = stack_trees([t.consts for t in tasks])
+
+        keys = [stage_keys(stage, tasks[0]) for stage in w.stages]
+        tensors = [[params[r][k] for r, k in ks] for ks in keys]
+        if jobs[0].opt_state is not None:
+            opt_states = [stack_trees([j.opt_state[i] for j in jobs], force=True)[0] for i in range(len(w.stages))]
+        else:
+            opt_states = [w.optimizer.init(ts, lead=(K,)) for ts in tensors]
+
+        S = max(steps) if steps else 0
+        rows = torch.zeros(K, S, B, dtype=torch.long, device=w.x.device)
+        augs = [
+            {k: torch.zeros((K, S, B) + v.shape[1:], dtype=v.dtype, device=w.x.device) for k, v in view.items()}
+            for view in jobs[0].plan.aug
+        ]
+        for i, job in enumerate(jobs):
+            n = job.plan.steps * B
+            rows[i, : job.plan.steps] = job.plan.order[:n].view(job.plan.steps, B)
+            for view, dst in zip(job.plan.aug, augs):
+                for k, v in view.items():
+                    dst[k][i, : job.plan.steps] = v[:n].view((job.plan.steps, B) + v.shape[1:])
+
+        totals: dict[str, torch.Tensor] = {}
+        torch.manual_seed(jobs[0].seed)
+        for s in range(S):
+            a = sum(1 for n in steps if n > s)
+            r = rows[:a, s]
+            raw = w.x[r]
+            views = [w.transform(raw, {k: v[:a, s] for k, v in view.items()}) for view in augs]
+            x = views[0] if len(views) == 1 else torch.stack(views, dim=1)
+            y = w.y[r]
+            for stage, ks, ts, state in zip(w.stages, keys, tensors, opt_states):
+                trained = {role for role, _ in ks}
+                tp = {role: {k: v[:a] for k, v in params[role].items()} for role in params if role in trained}
+                op = {role: {k: v[:a] for k, v in params[role].items()} for role in params if role not in trained}
+                bufs = {role: {k: v[:a] for k, v in sd.items()} for role, sd in buffers.items()}
+                fz = slice_tree(frozen, frozen_dims, a)
+                cs = slice_tree(consts, consts_dims, a)
+                fn = self._grad_fn(stage, frozen_dims, consts_dims, sorted(op))
+                with w.autocast_context():
+                    grads, (_, stats) = fn(tp, op, bufs, fz, cs, x, y)
+                flat_grads = [grads[role][k] for role, k in ks]
+                w.optimizer.step([t[:a] for t in ts], flat_grads, _slice_state(state, a))
+                for k, v in stats.items():
+                    v = v.detach().float()
+                    if k not in totals:
+                        totals[k] = torch.zeros((K,) + v.shape[1:], device=v.device)
+                    totals[k][:a] += v
+            for i in range(a):
+                if s in jobs[i].plan.epoch_ends:
+                    for name, role in tasks[0].snapshots.items():
+                        for k, v in {**params[role], **buffers[role]}.items():
+                            frozen[name][k][i].copy_(v[i])
+
+        results = []
+        for i in range(K):
+            results.append(
+                TrainResult(
+                    params={role: {k: v[i].detach().clone() for k, v in sd.items()} for role, sd in params.items()},
+                    buffers={role: {k: v[i].clone() for k, v in sd.items()} for role, sd in buffers.items()},
+                    stats={k: v[i].clone() for k, v in totals.items()},
+                    steps=steps[i],
+                    opt_state=[pytree.tree_map(lambda x: x[i].clone(), st) for st in opt_states],
+                )
+            )
+        return results
+
+    def _grad_fn(self, stage: Stage, frozen_dims: Any, consts_dims: Any, other_roles: list[str]) -> Callable:
+        key = (id(stage.loss), repr(frozen_dims), repr(consts_dims), tuple(other_roles))
+        if key not in self._grad_fns:
+            net = self.workload.net
+
+            def loss(train_p, other_p, buffers, frozen, consts, x, y):
+                view = TaskView({**other_p, **train_p}, buffers, frozen, consts)
+                return stage.loss(view, Batch(x, y), net)
+
+            self._grad_fns[key] = vmap(
+                grad_and_value(loss, argnums=0, has_aux=True),
+                in_dims=(0, 0, 0, frozen_dims, consts_dims, 0, 0),
+                randomness="different",
+            )
+        return self._grad_fns[key]
+
+
+def _slice_state(state: dict, a: int) -> dict:
+    return {k: ([t[:a] for t in v] if isinstance(v, list) else v[:a]) for k, v in state.items()}

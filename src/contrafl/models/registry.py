@@ -1,0 +1,99 @@
+"""The model registry and :func:`build_model`."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from .. import params as P
+from ..errors import ConfigError
+from ..registry import Registry
+from .base import FedModel
+
+
+@dataclass(frozen=True)
+class NoOptions:
+    """Backbones without options of their own."""
+
+
+@dataclass(frozen=True)
+class HeadOptions:
+    """Options shared by every model (``model.<option>=...``)."""
+
+    projection: bool = P.param(True, None, "use the 2-layer projection head (MOON Table 7 ablation)")
+    projection_dim: int = P.param(256, P.Interval(1, None), "output width of the projection head")
+    dropout: float = P.param(0.0, P.Interval(0, 1, "left"), "dropout on z before the classifier")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A registered backbone.
+
+    Attributes:
+        name: registry name.
+        summary: one line for ``contrafl list``.
+        features: ``(input_shape, options) -> (encoder, feature_dim)``; the encoder maps a
+            batch of inputs to a flat ``[B, feature_dim]`` representation.
+        options: dataclass of backbone-specific options.
+        inputs: ``"image"`` (``[C, H, W]`` inputs) or ``"vector"`` (``[D]`` inputs, images
+            are flattened).
+    """
+
+    name: str
+    summary: str
+    features: Callable[[tuple[int, ...], Any], tuple[nn.Module, int]]
+    options: type = NoOptions
+    inputs: str = "image"
+
+
+MODELS: Registry[ModelSpec] = Registry("model")
+
+
+def split_options(spec: ModelSpec, options: Mapping[str, Any] | None) -> tuple[HeadOptions, Any]:
+    """Validate ``model.*`` options into head options and backbone options."""
+    options = dict(options or {})
+    head_keys = {f.name for f in dataclasses.fields(HeadOptions)}
+    own_keys = {f.name for f in dataclasses.fields(spec.options)}
+    unknown = [k for k in options if k not in head_keys | own_keys]
+    if unknown:
+        valid = sorted(head_keys | own_keys)
+        raise ConfigError(
+            f"unknown option 'model.{unknown[0]}'{P.suggest(unknown[0], valid)} for model "
+            f"'{spec.name}'; valid options are: {', '.join(valid)}"
+        )
+    head = P.build(HeadOptions, {k: v for k, v in options.items() if k in head_keys}, "model")
+    own = P.build(spec.options, {k: v for k, v in options.items() if k in own_keys}, "model")
+    return head, own
+
+
+def build_model(
+    name: str,
+    input_shape: tuple[int, ...],
+    num_classes: int,
+    options: Mapping[str, Any] | None = None,
+    predictor_hidden: int | None = None,
+) -> FedModel:
+    """Build a :class:`FedModel` for inputs of ``input_shape``.
+
+    The caller controls the random initialisation (seed the global RNG first).
+    """
+    spec = MODELS.get(name)
+    head, own = split_options(spec, options)
+    if spec.inputs == "image" and len(input_shape) != 3:
+        raise ConfigError(
+            f"model '{name}' needs image inputs [C, H, W] but the dataset gives samples of "
+            f"shape {list(input_shape)}; choose a vector model such as model=mlp"
+        )
+    encoder, feature_dim = spec.features(tuple(input_shape), own)
+    return FedModel(
+        encoder,
+        feature_dim,
+        num_classes,
+        projection_dim=head.projection_dim if head.projection else None,
+        dropout=head.dropout,
+        predictor_hidden=predictor_hidden,
+    )

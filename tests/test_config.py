@@ -1,0 +1,70 @@
+"""Configuration parsing, overrides and validation messages."""
+
+import pytest
+
+from contrafl.config import Component, load_config
+from contrafl.errors import ConfigError
+
+
+def test_defaults():
+    cfg = load_config()
+    assert cfg.dataset == Component("digits")
+    assert cfg.algorithm == Component("fedavg")
+    assert cfg.num_clients == 10 and cfg.partition.name == "dirichlet"
+    assert cfg.rounds is None  # auto
+
+
+def test_overrides_convert_types_and_components():
+    cfg = load_config(None, ["rounds=5", "lr=0.1", "drop_last=false", "algorithm.mu=5", "algorithm=moon"])
+    assert cfg.rounds == 5 and cfg.lr == 0.1 and cfg.drop_last is False
+    assert cfg.algorithm == Component("moon", {"mu": "5"})  # options are validated by the component
+
+
+def test_yaml_file_then_overrides(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("rounds: 3\nalgorithm: {name: moon, mu: 1}\npartition:\n  name: dirichlet\n  beta: 0.1\n")
+    cfg = load_config(path, ["algorithm.temperature=0.2"])
+    assert cfg.rounds == 3
+    assert cfg.algorithm == Component("moon", {"mu": 1, "temperature": "0.2"})
+    assert cfg.partition.options == {"beta": 0.1}
+    # changing a component's name drops the previous component's options
+    cfg = load_config(path, ["algorithm=fedavg"])
+    assert cfg.algorithm == Component("fedavg")
+
+
+@pytest.mark.parametrize(
+    "override,fragment",
+    [
+        (["lr=-1"], "lr='-1' is invalid: expected > 0"),
+        (["rounds=two"], "rounds='two' is invalid: expected an integer"),
+        (["rouns=3"], "did you mean 'rounds'"),
+        (["mu=3"], "algorithm.mu=5"),
+        (["sample_fraction=0"], "sample_fraction='0' is invalid"),
+        (["executor=gpu"], "expected one of auto, sequential, vectorized"),
+        (["rounds"], "expected KEY=VALUE"),
+        (["learning.rate=1"], "only dataset, partition, model, algorithm have options"),
+    ],
+)
+def test_errors_are_one_line_and_name_the_value(override, fragment):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, override)
+    assert fragment in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_missing_and_invalid_files(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("rounds: [1,\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    unknown = tmp_path / "u.yaml"
+    unknown.write_text("epochs: 3\n")
+    with pytest.raises(ConfigError, match="unknown setting 'epochs'"):
+        load_config(unknown)
+
+
+def test_auto_keyword():
+    cfg = load_config(None, ["rounds=auto", "augment=auto", "server_momentum=auto"])
+    assert cfg.rounds is None and cfg.augment == "auto" and cfg.server_momentum is None

@@ -1,0 +1,73 @@
+"""Plans, client sampling, the client store and seed derivation."""
+
+import numpy as np
+import torch
+
+from contrafl.engine.client_store import ClientStore, state_bytes
+from contrafl.engine.plan import make_plan
+from contrafl.engine.rng import derive_seed, generator
+from contrafl.engine.sampling import sample_schedule
+
+
+def _no_aug(n, g):
+    return {"u": torch.rand(n, generator=g)}
+
+
+def test_plan_drop_last_epochs_and_coverage():
+    rows = np.arange(100, 170)  # 70 samples
+    plan = make_plan(rows, epochs=3, batch_size=32, drop_last=True, sample_aug=_no_aug, views=1, generator=generator(0, "p"))
+    assert plan.sizes == [32, 32] * 3 and plan.steps == 6
+    assert plan.epoch_ends == frozenset({1, 3, 5})
+    for e in range(3):
+        used = plan.order[e * 64 : (e + 1) * 64]
+        assert len(set(used.tolist())) == 64 and set(used.tolist()) <= set(rows.tolist())
+    idx, aug = plan.batch(2)
+    assert torch.equal(idx, plan.order[64:96]) and aug[0]["u"].shape == (32,)
+
+
+def test_plan_keep_last_and_tiny_clients():
+    rows = np.arange(70)
+    plan = make_plan(rows, 2, 32, False, _no_aug, 2, generator(0, "p"))
+    assert plan.sizes == [32, 32, 6] * 2 and plan.epoch_ends == frozenset({2, 5})
+    assert len(plan.aug) == 2
+    assert sorted(plan.order[:70].tolist()) == list(range(70))
+    tiny = make_plan(np.arange(10), 5, 32, True, _no_aug, 1, generator(0, "p"))
+    assert tiny.steps == 0 and tiny.epoch_ends == frozenset()
+
+
+def test_plan_is_a_function_of_the_seed_keys():
+    a = make_plan(np.arange(50), 2, 8, True, _no_aug, 1, generator(3, "plan", 1, 4))
+    b = make_plan(np.arange(50), 2, 8, True, _no_aug, 1, generator(3, "plan", 1, 4))
+    c = make_plan(np.arange(50), 2, 8, True, _no_aug, 1, generator(3, "plan", 1, 5))
+    assert torch.equal(a.order, b.order) and torch.equal(a.aug[0]["u"], b.aug[0]["u"])
+    assert not torch.equal(a.order, c.order)
+    assert derive_seed(1, "x") == derive_seed(1, "x") != derive_seed(2, "x")
+
+
+def test_sample_schedule():
+    assert sample_schedule(5, 1.0, 3, 0) == [[0, 1, 2, 3, 4]] * 3
+    sched = sample_schedule(100, 0.2, 50, seed=7)
+    assert all(len(r) == 20 and len(set(r)) == 20 and r == sorted(r) for r in sched)
+    assert sched == sample_schedule(100, 0.2, 50, seed=7)
+    assert sched != sample_schedule(100, 0.2, 50, seed=8)
+    counts = np.bincount(np.concatenate(sched), minlength=100)
+    assert counts.sum() == 1000 and counts.max() < 25  # uniform: 10 expected per client
+    assert all(len(r) == 1 for r in sample_schedule(3, 0.1, 4, 0))  # at least one client
+
+
+def test_client_store_spills_to_disk_and_back(tmp_path):
+    one = 4 * 1000  # bytes of a 1000-float tensor
+    store = ClientStore(memory_bytes=2.5 * one, spill_dir=tmp_path / "spill")
+    for cid in range(5):
+        store.put(cid, {"w": torch.full((1000,), float(cid))})
+    assert store.spilled == 3 and len(list((tmp_path / "spill").iterdir())) == 3
+    for cid in range(5):
+        assert store.get(cid)["w"][0].item() == cid
+    assert 7 not in store and store.get(7) is None
+    store.close()
+    assert not (tmp_path / "spill").exists()
+
+
+def test_state_bytes_counts_shared_storage_once():
+    t = torch.zeros(10)
+    assert state_bytes({"a": t, "b": [t, t[:5]], "c": 3}) == 40
