@@ -17,7 +17,7 @@ import textwrap
 from pathlib import Path
 
 from . import __version__
-from .config import COMPONENTS, Config, load_config
+from .config import COMPONENTS, Config, load_config, parse_overrides
 from .errors import ContraflError
 
 EXIT_USAGE = 2
@@ -62,8 +62,6 @@ def cmd_run(ns: argparse.Namespace) -> int:
     cfg = setup.config
     path = Path(ns.out) if ns.out else default_run_dir(cfg.algorithm.name, cfg.dataset.name)
     run_dir = RunDir(path)
-    run_dir.write_config(cfg)
-    setup.partition.save(run_dir.path / "partition.json")
     out = sys.stdout
     if not ns.quiet:
         sizes = [len(r) for r in setup.partition.train]
@@ -189,6 +187,59 @@ def cmd_report(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_experiment(ns: argparse.Namespace) -> int:
+    from .eval.suite import format_table, load_suite, run_suite
+
+    suite = load_suite(Path(ns.file))
+    if ns.seeds:
+        suite.seeds = _seeds(ns.seeds)
+    out = Path(ns.out) if ns.out else Path("runs") / "experiments" / Path(ns.file).stem
+    methods = ns.methods.split(",") if ns.methods else None
+    print(f"{suite.name}: {len(methods or suite.methods)} methods x {len(suite.seeds)} seeds -> {out}")
+    results = run_suite(suite, out, ns.overrides, methods)
+    print(format_table(suite, results))
+    print(f"results: {out / 'results.md'}, curves: {out / 'curves.png'}")
+    return 0
+
+
+def cmd_compare(ns: argparse.Namespace) -> int:
+    from .eval.suite import Suite, format_table, run_suite
+
+    algorithms = [a for a in ns.args if "=" not in a]
+    if len(algorithms) < 2:
+        raise ContraflError("compare needs at least two algorithms, e.g. `contrafl compare fedavg moon`")
+    methods: dict[str, dict] = {a: {"algorithm": {"name": a}} for a in algorithms}
+    overrides = []
+    for key, value in parse_overrides([a for a in ns.args if "=" in a]):
+        head, _, option = key.partition(".")
+        if head in methods and option:  # moon.mu=5 sets an option of one algorithm only
+            methods[head]["algorithm"][option] = value
+        else:
+            overrides.append(f"{key}={value}")
+    suite = Suite(
+        name="compare " + " vs ".join(algorithms),
+        base={},
+        methods=methods,
+        seeds=_seeds(ns.seeds),
+        target={"from": algorithms[0]},
+    )
+    out = Path(ns.out) if ns.out else Path("runs") / ("compare-" + "-".join(algorithms))
+    results = run_suite(suite, out, overrides)
+    print(format_table(suite, results))
+    print(f"rounds to {algorithms[0]}'s final accuracy in the last column; runs and curves in {out}")
+    return 0
+
+
+def _seeds(text: str) -> list[int]:
+    """``"3"`` -> [0, 1, 2]; ``"0,5,7"`` -> [0, 5, 7]."""
+    try:
+        if "," in text:
+            return [int(s) for s in text.split(",")]
+        return list(range(int(text)))
+    except ValueError:
+        raise ContraflError(f"--seeds {text!r} is invalid: expected a count (3) or a list (0,1,2)") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     fmt = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(
@@ -252,6 +303,43 @@ def build_parser() -> argparse.ArgumentParser:
     part.add_argument("--out", metavar="PNG", help="heatmap path (default: partition-<dataset>-<method>.png)")
     part.add_argument("--json", metavar="FILE", help="also save the partition as JSON")
     part.set_defaults(func=cmd_partition)
+
+    exp = sub.add_parser(
+        "experiment",
+        help="run a paper-reproduction suite (methods x seeds) and print its table",
+        description=textwrap.dedent(
+            """\
+            Run every method x seed of an experiment file (see experiments/), resuming finished
+            runs, and print mean ± std over seeds next to the paper's numbers, e.g.
+              contrafl experiment experiments/moon/table1_cifar10.yaml data_dir=DIR
+              contrafl experiment experiments/reduced/cifar10_subset.yaml --seeds 1"""
+        ),
+        formatter_class=fmt,
+    )
+    exp.add_argument("file", help="experiment YAML file")
+    exp.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="settings applied to every run")
+    exp.add_argument("--out", metavar="DIR", help="output directory (default: runs/experiments/<file name>)")
+    exp.add_argument("--seeds", help="number of seeds (3) or list (0,1,2); default: the file's")
+    exp.add_argument("--methods", help="comma-separated subset of the file's methods")
+    exp.set_defaults(func=cmd_experiment)
+
+    cmp_ = sub.add_parser(
+        "compare",
+        help="run several algorithms on the same federation and compare them",
+        description=textwrap.dedent(
+            """\
+            Run each ALGORITHM with the same settings and seeds and print final accuracy and the
+            rounds each needs to reach the first algorithm's final accuracy, e.g.
+              contrafl compare fedavg moon
+              contrafl compare fedavg fedprox moon moon.mu=5 fedprox.mu=0.01 rounds=30 --seeds 3
+            ALGORITHM.OPTION=VALUE sets an option of one algorithm; other KEY=VALUE apply to all."""
+        ),
+        formatter_class=fmt,
+    )
+    cmp_.add_argument("args", nargs="+", metavar="ALGORITHM|KEY=VALUE")
+    cmp_.add_argument("--seeds", default="1", help="number of seeds (default 1) or list (0,1,2)")
+    cmp_.add_argument("--out", metavar="DIR", help="output directory (default: runs/compare-<algorithms>)")
+    cmp_.set_defaults(func=cmd_compare)
 
     rep = sub.add_parser("report", help="summarise finished runs",
                          description="Final and best accuracy of runs, and rounds to reach a target accuracy (MOON Table 2).")

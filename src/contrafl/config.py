@@ -110,7 +110,7 @@ def _component(value: Any, key: str) -> Component:
     raise ConfigError(f"{key}={value!r} is invalid: expected a name or a mapping with a name")
 
 
-def _merge(tree: dict[str, Any], updates: Mapping[str, Any], source: str) -> None:
+def merge(tree: dict[str, Any], updates: Mapping[str, Any], source: str) -> None:
     """Merge a parsed YAML mapping into ``tree`` (components are replaced or extended)."""
     for key, value in updates.items():
         if key in COMPONENTS:
@@ -151,9 +151,15 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
             raise ConfigError(f"{path} is not valid YAML{where}; fix the syntax") from None
         if not isinstance(data, Mapping):
             raise ConfigError(f"{path} must contain a mapping of settings, not {type(data).__name__}")
-        _merge(tree, data, str(path))
+        merge(tree, data, str(path))
+    apply_overrides(tree, overrides)
+    return build_config(tree)
+
+
+def apply_overrides(tree: dict[str, Any], overrides: Sequence[str]) -> None:
+    """Apply ``key=value`` overrides to a settings tree (component names first, so that
+    ``algorithm.mu=5 algorithm=moon`` keeps ``mu``)."""
     pairs = parse_overrides(overrides)
-    # names first, so that `algorithm.mu=5 algorithm=moon` keeps mu
     for key, value in sorted(pairs, key=lambda kv: "." in kv[0]):
         head, dot, option = key.partition(".")
         if dot:
@@ -169,7 +175,6 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
             tree[key] = value
         else:
             raise ConfigError(f"unknown setting '{key}'{_hint(key)}")
-    return build_config(tree)
 
 
 def _hint(key: str) -> str:

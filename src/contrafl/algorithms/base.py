@@ -141,10 +141,15 @@ class Stage:
 
     Most algorithms have one stage training every role. FedSiam-DA's alternating update
     (its eqs. 8-9) is two stages: first the global branch, then the local model.
+    ``post_step(task)`` optionally returns an additive correction applied to the trained
+    parameters after each optimiser step, ``w += post_step(task)[role][name]`` (the
+    NIID-Bench form of SCAFFOLD's correction, ``-lr (c - c_i)``); like the loss it must be
+    a function of tensors only.
     """
 
     loss: LossFn
     trains: tuple[str, ...] | None = None
+    post_step: Callable[[TaskView], dict[str, StateDict]] | None = None
 
 
 @dataclass

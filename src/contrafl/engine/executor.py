@@ -134,12 +134,16 @@ class SequentialExecutor:
         for step in range(job.plan.steps):
             rows, aug = job.plan.batch(step)
             batch = w.inputs(rows, aug)
-            for stage, ts, state in zip(w.stages, tensors, states):
+            for stage, ks, ts, state in zip(w.stages, keys, tensors, states):
                 with w.autocast_context():
                     loss, step_stats = stage.loss(TaskView(params, buffers, frozen, task.consts), batch, w.net)
                 grads = torch.autograd.grad(loss, ts, allow_unused=True)
                 grads = [torch.zeros_like(t) if g is None else g for t, g in zip(ts, grads)]
                 w.optimizer.step(ts, grads, state)
+                if stage.post_step is not None:
+                    with torch.no_grad():
+                        delta = stage.post_step(TaskView(params, buffers, frozen, task.consts))
+                        torch._foreach_add_(ts, [delta[r][k] for r, k in ks])
                 accumulate(stats, step_stats)
             if step in job.plan.epoch_ends:
                 for name, role in task.snapshots.items():

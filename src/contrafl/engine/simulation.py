@@ -146,6 +146,9 @@ class Simulation:
     def run(self) -> dict[str, Any]:
         start = time.perf_counter()
         status = "completed"
+        if self.run_dir is not None:
+            self.run_dir.write_config(self.cfg)
+            self.setup.partition.save(self.run_dir.path / "partition.json")
         try:
             for t in range(self.cfg.rounds):
                 round_start = time.perf_counter()

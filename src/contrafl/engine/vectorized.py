@@ -200,7 +200,13 @@ class VectorizedExecutor:
                 with w.autocast_context():
                     grads, (_, stats) = fn(tp, op, bufs, fz, cs, x, y)
                 flat_grads = [grads[role][k] for role, k in ks]
-                w.optimizer.step([t[:a] for t in ts], flat_grads, _slice_state(state, a))
+                views_a = [t[:a] for t in ts]
+                w.optimizer.step(views_a, flat_grads, _slice_state(state, a))
+                if stage.post_step is not None:
+                    delta = self._post_fn(stage, frozen_dims, consts_dims)(
+                        {role: {k: v[:a] for k, v in sd.items()} for role, sd in params.items()}, bufs, fz, cs
+                    )
+                    torch._foreach_add_(views_a, [delta[role][k] for role, k in ks])
                 for k, v in stats.items():
                     v = v.detach().float()
                     if k not in totals:
@@ -218,7 +224,7 @@ class VectorizedExecutor:
                 TrainResult(
                     params={role: {k: v[i].detach().clone() for k, v in sd.items()} for role, sd in params.items()},
                     buffers={role: {k: v[i].clone() for k, v in sd.items()} for role, sd in buffers.items()},
-                    stats={k: v[i].clone() for k, v in totals.items()},
+                    stats={k: v[i].clone() for k, v in totals.items()} if steps[i] else {},
                     steps=steps[i],
                     opt_state=[pytree.tree_map(lambda x: x[i].clone(), st) for st in opt_states],
                 )
@@ -239,6 +245,17 @@ class VectorizedExecutor:
                 in_dims=(0, 0, 0, frozen_dims, consts_dims, 0, 0),
                 randomness="different",
             )
+        return self._grad_fns[key]
+
+
+    def _post_fn(self, stage: Stage, frozen_dims: Any, consts_dims: Any) -> Callable:
+        key = ("post", id(stage.post_step), repr(frozen_dims), repr(consts_dims))
+        if key not in self._grad_fns:
+
+            def post(params, buffers, frozen, consts):
+                return stage.post_step(TaskView(params, buffers, frozen, consts))
+
+            self._grad_fns[key] = vmap(post, in_dims=(0, 0, frozen_dims, consts_dims))
         return self._grad_fns[key]
 
 

@@ -1,0 +1,85 @@
+"""The command line: user errors are one line with exit status 2, never a traceback."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from contrafl.cli import main
+
+SUBSET = Path(__file__).resolve().parents[2] / "shared" / "data" / "cifar-10-batches-py"
+
+
+def run_cli(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "contrafl", *args], capture_output=True, text=True, cwd=cwd)
+
+
+@pytest.mark.parametrize(
+    "args,fragment",
+    [
+        (["dataset=cifar11"], "unknown dataset 'cifar11' (did you mean 'cifar10'?)"),
+        (["dataset=cifar10", "data_dir=/nonexistent/dir"], "data_dir=/nonexistent/dir does not exist"),
+        (["dataset=cifar10"], "needs data_dir=DIR"),
+        (["partition.beta=0"], "partition.beta='0' is invalid: expected > 0"),
+        (["partition.beta=-1"], "partition.beta='-1' is invalid"),
+        (["num_clients=5000"], "num_clients=5000 is larger than the 1347 training samples"),
+        (["algorithm=mooon"], "did you mean 'moon'"),
+        (["algorithm.mu=-1", "algorithm=moon"], "algorithm.mu='-1' is invalid"),
+        (["rounds=0"], "rounds='0' is invalid"),
+    ],
+)
+def test_user_errors(args, fragment, tmp_path):
+    proc = run_cli("run", "--out", str(tmp_path / "r"), *args)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("contrafl: error: ")
+    assert fragment in lines[0]
+
+
+def test_subset_needs_explicit_acceptance(tmp_path):
+    if not SUBSET.exists():
+        pytest.skip("no ../shared/data")
+    proc = run_cli("run", "--out", str(tmp_path / "r"), "dataset=cifar10", f"data_dir={SUBSET}")
+    assert proc.returncode == 2 and "allow_subset=true" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_run_writes_run_dir_and_prints_progress(tmp_path, capsys):
+    assert main(["run", "--out", str(tmp_path / "r"), "rounds=2", "local_epochs=1"]) == 0
+    out = capsys.readouterr().out
+    assert "round 1/2" in out and "round 2/2" in out and "acc" in out and "ETA" in out
+    assert "final test accuracy" in out
+    assert (tmp_path / "r" / "partition.json").exists()
+    rows = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2
+
+
+def test_list_and_help(capsys):
+    assert main(["list"]) == 0
+    out = capsys.readouterr().out
+    for name in ("fedavg", "moon", "solo", "digits", "cifar10", "dirichlet", "moon_cnn", "resnet50", "cifar100"):
+        assert name in out
+    proc = run_cli("run", "--help")
+    assert proc.returncode == 0 and "local_epochs" in proc.stdout and "algorithm.mu" in proc.stdout
+    for cmd in (["list", "--help"], ["data", "download", "--help"], ["partition", "--help"], ["report", "--help"]):
+        assert run_cli(*cmd).returncode == 0
+
+
+def test_partition_command_writes_heatmap(tmp_path, capsys):
+    png = tmp_path / "p.png"
+    assert main(["partition", "num_clients=5", "partition.beta=0.1", "--out", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "client" in out.lower()
+
+
+def test_report_rounds_to_target(tmp_path, capsys):
+    for name, algo in (("a", "fedavg"), ("b", "moon")):
+        assert main(["run", "--quiet", "--out", str(tmp_path / name), f"algorithm={algo}", "rounds=3", "local_epochs=1"]) == 0
+    assert main(["report", str(tmp_path / "a"), str(tmp_path / "b"), "--target-from", str(tmp_path / "a")]) == 0
+    out = capsys.readouterr().out
+    lines = out.strip().splitlines()
+    assert lines[0].split()[:2] == ["run", "algorithm"] and "rounds to" in lines[0]
+    assert 1 <= int(lines[1].split()[-1]) <= 3  # FedAvg reaches its own final accuracy by its last round

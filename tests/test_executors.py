@@ -1,0 +1,189 @@
+"""The vectorized executor reproduces the sequential executor client by client.
+
+Covers what makes vectorization hard: clients with different numbers of steps (a client
+that has finished must not move), BatchNorm statistics, persisted optimiser state,
+frozen models shared by all clients vs. per client, epoch-end snapshots and post-step
+corrections.
+"""
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from contrafl.algorithms.base import LocalTask, Stage
+from contrafl.data.augment import eval_transform
+from contrafl.engine.executor import FunctionalNet, Job, SequentialExecutor, Workload
+from contrafl.engine.optim import SGD, Adam
+from contrafl.engine.plan import make_plan
+from contrafl.engine.rng import generator
+from contrafl.engine.vectorized import VectorizedExecutor, stack_trees
+from contrafl.models.base import FedModel
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    features = nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU())
+    return FedModel(features, 16, 3, projection_dim=8)
+
+
+def _split(model):
+    names = {n for n, _ in model.named_parameters()}
+    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return {k: v for k, v in sd.items() if k in names}, {k: v for k, v in sd.items() if k not in names}
+
+
+def supervised(task, batch, net):
+    out = net({**task.params["model"], **task.buffers["model"]}, batch.x, train=True)
+    loss = F.cross_entropy(out.logits, batch.y)
+    return loss, {"loss": loss.detach(), "count": torch.ones(3)}
+
+
+def contrastive(task, batch, net):
+    """CE + pull z to a shared frozen model + push from a per-client one + a const term."""
+    out = net({**task.params["model"], **task.buffers["model"]}, batch.x, train=True)
+    with torch.no_grad():
+        zg = net(task.frozen["global"], batch.x, train=False).z
+        zp = net(task.frozen["prev"], batch.x, train=False).z
+    sims = torch.stack([F.cosine_similarity(out.z, zg, dim=-1), F.cosine_similarity(out.z, zp, dim=-1)], 1)
+    con = F.cross_entropy(sims / 0.5, torch.zeros(len(sims), dtype=torch.long))
+    lin = sum((p * task.consts["c"][k]).sum() for k, p in task.params["model"].items())
+    loss = F.cross_entropy(out.logits, batch.y) + con + 0.1 * lin
+    return loss, {"loss": loss.detach()}
+
+
+def with_history(task, batch, net):
+    out = net({**task.params["model"], **task.buffers["model"]}, batch.x, train=True)
+    with torch.no_grad():
+        zh = net(task.frozen["hist"], batch.x, train=False).z
+    loss = F.cross_entropy(out.logits, batch.y) + F.cosine_similarity(out.z, zh, dim=-1).mean()
+    return loss, {"loss": loss.detach()}
+
+
+def post(task):
+    return {"model": {k: -0.01 * task.consts["c"][k] for k in task.params["model"]}}
+
+
+SIZES = [70, 33, 9, 48]  # with batch 16 and drop_last: 4, 2, 0 and 3 steps per epoch
+
+
+def _jobs(global_params, global_buffers, extra=lambda cid, task: None, opt_state=None):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(sum(SIZES), 6, generator=g)
+    y = torch.randint(0, 3, (sum(SIZES),), generator=g)
+    tf = eval_transform(None, None)
+    jobs, start = [], 0
+    for cid, n in enumerate(SIZES):
+        rows = np.arange(start, start + n)
+        start += n
+        plan = make_plan(rows, 2, 16, True, tf.sample, 1, generator(0, "plan", cid))
+        task = LocalTask(params={"model": dict(global_params)}, buffers={"model": dict(global_buffers)})
+        extra(cid, task)
+        jobs.append(Job(cid, task, plan, seed=cid, opt_state=None if opt_state is None else opt_state(cid)))
+    return x, y, tf, jobs
+
+
+def _compare(stages, optimizer, extra=lambda cid, task: None, opt_state=None):
+    model = _model()
+    params, buffers = _split(model)
+    x, y, tf, jobs = _jobs(params, buffers, extra, opt_state)
+    net = FunctionalNet(model)
+    seq = SequentialExecutor(Workload(x, y, tf, net, stages, optimizer)).train(jobs)
+    x, y, tf, jobs = _jobs(params, buffers, extra, opt_state)
+    vec = VectorizedExecutor(Workload(x, y, tf, net, stages, optimizer), memory_bytes=2**30).train(jobs)
+    for a, b, n in zip(seq, vec, SIZES):
+        assert a.steps == b.steps == 2 * (n // 16)
+        for role in a.params:
+            for k in a.params[role]:
+                torch.testing.assert_close(b.params[role][k], a.params[role][k], rtol=0, atol=1e-5)
+            for k in a.buffers[role]:
+                torch.testing.assert_close(b.buffers[role][k], a.buffers[role][k], rtol=0, atol=1e-5)
+        assert a.stats.keys() == b.stats.keys()
+        for k in a.stats:
+            torch.testing.assert_close(b.stats[k], a.stats[k], rtol=1e-5, atol=1e-5)
+    # the client with no step is returned untouched, BN statistics included
+    for k, v in params.items():
+        assert torch.equal(vec[2].params["model"][k], v)
+    for k, v in buffers.items():
+        assert torch.equal(vec[2].buffers["model"][k], v)
+    return seq, vec
+
+
+def test_supervised_sgd_momentum():
+    seq, vec = _compare([Stage(supervised)], SGD(0.1, 0.9, 1e-3))
+    assert vec[0].buffers["model"]["features.1.num_batches_tracked"].item() == 8
+
+
+def test_adam_with_persisted_state():
+    model = _model()
+    params, _ = _split(model)
+    opt = Adam(0.01)
+
+    def state(cid):
+        st = opt.init(list(params.values()))
+        st["step"] += cid  # clients with different histories
+        st["exp_avg_sq"] = [torch.full_like(t, 0.01 * (cid + 1)) for t in st["exp_avg_sq"]]
+        return [st]
+
+    seq, vec = _compare([Stage(supervised)], opt, opt_state=state)
+    assert vec[0].opt_state[0]["step"].item() == 8 and vec[2].opt_state[0]["step"].item() == 2
+
+
+def test_shared_and_per_client_frozen_models_consts_and_post_step():
+    shared_global = _split(_model(1))
+    shared = {**shared_global[0], **shared_global[1]}
+    consts_shared = {k: torch.full_like(v, 0.5) for k, v in shared_global[0].items()}
+
+    def extra(cid, task):
+        prev = _split(_model(10 + cid))
+        task.frozen["global"] = shared
+        task.frozen["prev"] = {**prev[0], **prev[1]}
+        task.consts["c"] = consts_shared
+
+    _compare([Stage(contrastive, post_step=post)], SGD(0.05, 0.9), extra)
+    tree, dims = stack_trees([{"g": shared, "c": consts_shared}] * 3)
+    assert all(d is None for d in dims["g"].values())  # shared: not copied per client
+
+
+def test_epoch_snapshots_and_two_stages():
+    branch = _split(_model(3))
+
+    def extra(cid, task):
+        task.params["branch"] = dict(branch[0])
+        task.buffers["branch"] = dict(branch[1])
+        task.frozen["hist"] = {**task.params["model"], **task.buffers["model"]}
+        task.snapshots["hist"] = "model"
+
+    def branch_loss(task, batch, net):
+        out = net({**task.params["branch"], **task.buffers["branch"]}, batch.x, train=True)
+        loss = F.cross_entropy(out.logits, batch.y)
+        return loss, {"branch": loss.detach()}
+
+    stages = [Stage(branch_loss, trains=("branch",)), Stage(with_history, trains=("model",))]
+    _compare(stages, SGD(0.05, 0.9), extra)
+
+
+def test_chunking_by_memory_gives_the_same_results():
+    model = _model()
+    params, buffers = _split(model)
+    x, y, tf, jobs = _jobs(params, buffers)
+    ex = VectorizedExecutor(Workload(x, y, tf, FunctionalNet(model), [Stage(supervised)], SGD(0.1, 0.9)), 1.0)
+    assert ex.chunk_size(jobs[0]) == 1  # a tiny budget gives one client per chunk
+    ids = {j.cid: j for j in jobs}
+    chunked = [r for _, r in ex.run(lambda cid: ids[cid], [0, 1, 2, 3])]
+    x, y, tf, jobs = _jobs(params, buffers)
+    whole = VectorizedExecutor(Workload(x, y, tf, FunctionalNet(model), [Stage(supervised)], SGD(0.1, 0.9)), 2**30).train(jobs)
+    for a, b in zip(chunked, whole):
+        for k in a.params["model"]:
+            torch.testing.assert_close(a.params["model"][k], b.params["model"][k], rtol=0, atol=1e-5)
+
+
+def test_unequal_batch_sizes_are_rejected():
+    model = _model()
+    params, buffers = _split(model)
+    x, y, tf, jobs = _jobs(params, buffers)
+    jobs[0].plan = make_plan(np.arange(70), 1, 16, False, tf.sample, 1, generator(0, "x"))
+    ex = VectorizedExecutor(Workload(x, y, tf, FunctionalNet(model), [Stage(supervised)], SGD(0.1)), 2**30)
+    with pytest.raises(ValueError, match="equal batch sizes"):
+        ex.train(jobs)

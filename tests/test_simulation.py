@@ -1,0 +1,102 @@
+"""End-to-end behaviour of the round loop and the run directory."""
+
+import json
+
+import pytest
+import torch
+import yaml
+
+from contrafl.config import load_config
+from contrafl.engine.run_dir import RunDir
+from contrafl.engine.setup import prepare
+from contrafl.engine.simulation import Simulation
+from contrafl.errors import ClientUpdateError, ConfigError
+
+from conftest import simulate
+
+
+def test_run_directory_contents(tmp_path):
+    sim = simulate("rounds=3", "eval_every=2", run_dir=RunDir(tmp_path / "run"))
+    run = tmp_path / "run"
+    assert sorted(p.name for p in run.iterdir()) == [
+        "checkpoint.pt", "config.yaml", "metrics.jsonl", "partition.json", "summary.json", "timing.jsonl"
+    ]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rows] == [1, 2, 3]
+    assert "test_acc" not in rows[0] and "test_acc" in rows[1] and "test_acc" in rows[2]  # eval_every, and the last
+    model_bytes = sum(v.numel() * v.element_size() for v in sim.server.model.values())
+    assert rows[0]["bytes_down"] == {"model": 4 * model_bytes} == rows[0]["bytes_up"]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["rounds_completed"] == 3
+    assert summary["final"]["test_acc"] == rows[2]["test_acc"]
+    ckpt = torch.load(run / "checkpoint.pt", weights_only=False)
+    assert ckpt["round"] == 3
+    for k, v in sim.server.model.items():
+        assert torch.equal(ckpt["model"][k], v)
+
+
+def test_resolved_config_is_recorded(tmp_path):
+    setup = prepare(load_config(None, ["algorithm=moon", "rounds=2"]))
+    run = RunDir(tmp_path / "r")
+    run.write_config(setup.config)
+    cfg = yaml.safe_load((tmp_path / "r" / "config.yaml").read_text())
+    assert cfg["algorithm"] == {"name": "moon", "mu": 1.0, "temperature": 0.5, "k": 1, "loss": "contrastive"}
+    assert cfg["model"]["name"] == "mlp" and cfg["batch_size"] == 16 and cfg["local_epochs"] == 5
+    assert cfg["partition"] == {"name": "dirichlet", "beta": 0.5, "min_size": 10}
+    assert cfg["server_momentum"] == 0.0 and cfg["device"] == "cpu"
+    # the recorded config reproduces the run's settings
+    assert load_config(tmp_path / "r" / "config.yaml").algorithm.options["mu"] == 1.0
+
+
+def test_same_seed_same_metrics_and_different_seed_differs(tmp_path):
+    a = simulate("rounds=2", "seed=3", run_dir=RunDir(tmp_path / "a"))
+    b = simulate("rounds=2", "seed=3", run_dir=RunDir(tmp_path / "b"))
+    c = simulate("rounds=2", "seed=4")
+    assert (tmp_path / "a" / "metrics.jsonl").read_bytes() == (tmp_path / "b" / "metrics.jsonl").read_bytes()
+    assert a.history != c.history
+
+
+def test_existing_run_dir_is_not_overwritten(tmp_path):
+    (tmp_path / "r").mkdir()
+    (tmp_path / "r" / "metrics.jsonl").write_text("{}\n")
+    with pytest.raises(ConfigError, match="already exists"):
+        RunDir(tmp_path / "r")
+
+
+def test_diverging_client_update_is_rejected_and_partial_results_kept(tmp_path):
+    sim = Simulation(prepare(load_config(None, ["rounds=5", "lr=1e30", "local_epochs=1", "num_clients=4"])), RunDir(tmp_path / "r"), None)
+    with pytest.raises(ClientUpdateError, match="non-finite values") as info:
+        sim.run()
+    assert "lower lr" in str(info.value)
+    summary = json.loads((tmp_path / "r" / "summary.json").read_text())
+    assert summary["status"].startswith("failed")
+    assert (tmp_path / "r" / "checkpoint.pt").exists()
+
+
+def test_sampling_and_fedavgm_server_momentum():
+    sim = simulate("algorithm=fedavgm", "num_clients=6", "sample_fraction=0.5", "rounds=3")
+    assert sim.cfg.server_momentum == 0.9
+    assert all(len(r["clients"]) == 3 for r in sim.history)
+    plain = simulate("algorithm=fedavg", "num_clients=6", "sample_fraction=0.5", "rounds=3")
+    assert plain.history[0]["clients"] == sim.history[0]["clients"]
+    assert plain.history[0]["test_acc"] != sim.history[0]["test_acc"]
+    # momentum composes with any algorithm
+    moon_m = simulate("algorithm=moon", "server_momentum=0.7", "rounds=2")
+    assert moon_m.server_opt.momentum == 0.7
+
+
+def test_solo_reports_client_accuracies_and_no_communication():
+    sim = simulate("algorithm=solo", "rounds=2", "eval_personal=auto")
+    last = sim.history[-1]
+    assert "test_acc" not in last
+    assert 0 < last["personal_acc"] <= 1 and last["personal_acc_std"] >= 0 and last["personal_clients"] == 4
+    assert last["bytes_down"] == {} and last["bytes_up"] == {}
+    # each client started from its own initialisation, not a shared one
+    s0, s1 = sim.store.get(0)["algorithm"]["model"], sim.store.get(1)["algorithm"]["model"]
+    assert not torch.equal(s0["l3.weight"], s1["l3.weight"])
+
+
+def test_personal_evaluation_on_client_test_splits():
+    sim = simulate("algorithm=solo", "test_fraction=0.25", "rounds=1", "eval_personal=true")
+    assert sim.setup.partition.test is not None
+    assert sim.history[-1]["personal_clients"] == 4
