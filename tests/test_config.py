@@ -40,7 +40,7 @@ def test_yaml_file_then_overrides(tmp_path):
         (["rouns=3"], "did you mean 'rounds'"),
         (["mu=3"], "algorithm.mu=5"),
         (["sample_fraction=0"], "sample_fraction='0' is invalid"),
-        (["executor=gpu"], "expected one of auto, sequential, vectorized"),
+        (["executor=gpu"], "expected one of auto, sequential, parallel, vectorized"),
         (["rounds"], "expected KEY=VALUE"),
         (["learning.rate=1"], "only dataset, partition, model, algorithm have options"),
     ],

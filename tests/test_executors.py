@@ -187,3 +187,38 @@ def test_unequal_batch_sizes_are_rejected():
     ex = VectorizedExecutor(Workload(x, y, tf, FunctionalNet(model), [Stage(supervised)], SGD(0.1)), 2**30)
     with pytest.raises(ValueError, match="equal batch sizes"):
         ex.train(jobs)
+
+
+def test_parallel_executor_matches_sequential():
+    from contrafl.engine.parallel import ParallelExecutor, balance
+
+    assert balance([5, 1, 4, 4], 2) == [[0, 1], [2, 3]]
+    assert balance([3], 4) == [[0]]
+    model = _model()
+    params, buffers = _split(model)
+    x, y, tf, jobs = _jobs(params, buffers)
+    workload = Workload(x, y, tf, FunctionalNet(model), [Stage(supervised)], SGD(0.1, 0.9))
+    seq = SequentialExecutor(workload).train(jobs)
+    x, y, tf, jobs = _jobs(params, buffers)
+    ids = {j.cid: j for j in jobs}
+    par = [r for _, r in ParallelExecutor(workload, workers=2).run(lambda c: ids[c], [0, 1, 2, 3])]
+    for a, b in zip(seq, par):
+        assert a.steps == b.steps
+        for k in a.params["model"]:
+            torch.testing.assert_close(b.params["model"][k], a.params["model"][k], rtol=0, atol=1e-5)
+        for k in a.buffers["model"]:
+            torch.testing.assert_close(b.buffers["model"][k], a.buffers["model"][k], rtol=0, atol=1e-5)
+
+
+def test_parallel_executor_reports_worker_failures():
+    from contrafl.engine.parallel import ParallelExecutor
+
+    def broken(task, batch, net):
+        raise ValueError("boom in a worker")
+
+    model = _model()
+    params, buffers = _split(model)
+    x, y, tf, jobs = _jobs(params, buffers)
+    ex = ParallelExecutor(Workload(x, y, tf, FunctionalNet(model), [Stage(broken)], SGD(0.1)), workers=2)
+    with pytest.raises(RuntimeError, match="boom in a worker"):
+        ex.train(jobs)

@@ -29,6 +29,7 @@ from .client_store import ClientStore
 from .comm import add_bytes, payload_bytes
 from .executor import FunctionalNet, Job, SequentialExecutor, Workload
 from .optim import make_optimizer
+from .parallel import ParallelExecutor
 from .plan import make_plan
 from .progress import Progress
 from .rng import derive_seed, generator
@@ -56,21 +57,39 @@ class Context:
 
 
 def choose_executor(cfg: Config, algorithm: Algorithm, device: torch.device) -> str:
-    """``executor=auto`` picks the vectorized executor on CUDA for algorithms that support
-    it with equal batch sizes (``drop_last``), and the sequential executor otherwise (on
-    the CPU, batched per-client convolutions are slower than one client at a time)."""
+    """The executor for ``executor=auto``.
+
+    On CUDA: the vectorized executor for algorithms that support it with equal batch
+    sizes (``drop_last``). On a multi-core CPU: the parallel executor (batched per-client
+    convolutions are slower than one client at a time on a CPU, and one client's small
+    operations do not use many cores well). Otherwise the sequential executor.
+    """
     can_vectorize = algorithm.vectorizable and cfg.drop_last
     if cfg.executor == "vectorized" and not can_vectorize:
         why = f"algorithm {algorithm.name} cannot be vectorized" if not algorithm.vectorizable else "drop_last=false gives unequal batch sizes"
         raise ConfigError(f"executor=vectorized is not possible: {why}; use executor=sequential or executor=auto")
-    if cfg.executor == "auto":
-        return "vectorized" if can_vectorize and device.type == "cuda" else "sequential"
-    return cfg.executor
+    if cfg.executor == "parallel" and device.type != "cpu":
+        raise ConfigError("executor=parallel trains on the CPU; use executor=vectorized or auto with device=cuda")
+    if cfg.executor != "auto":
+        return cfg.executor
+    if device.type == "cuda":
+        return "vectorized" if can_vectorize else "sequential"
+    if cpu_cores() > 1 and cfg.num_clients * cfg.sample_fraction >= 2:
+        return "parallel"
+    return "sequential"
 
 
-def make_executor(name: str, workload: Workload, memory_bytes: float) -> SequentialExecutor | VectorizedExecutor:
+def cpu_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def make_executor(name: str, workload: Workload, cfg: Config):
+    """The executor ``name`` for ``workload``."""
     if name == "vectorized":
-        return VectorizedExecutor(workload, memory_bytes)
+        return VectorizedExecutor(workload, cfg.vectorize_memory_gb * 2**30)
+    if name == "parallel":
+        workers = cfg.workers or cpu_cores()
+        return ParallelExecutor(workload, workers, threads=max(1, cpu_cores() // workers))
     return SequentialExecutor(workload)
 
 
@@ -184,7 +203,7 @@ class Simulation:
             self.optimizer,
             autocast=torch.bfloat16 if cfg.precision == "bf16" else None,
         )
-        executor = make_executor(self.executor_name, workload, cfg.vectorize_memory_gb * 2**30)
+        executor = make_executor(self.executor_name, workload, cfg)
         open_clients: dict[int, tuple[Context, dict[str, Any]]] = {}
 
         def make_job(cid: int) -> Job:
