@@ -83,7 +83,7 @@ def main() -> None:
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--algorithms", default="fedavg,moon")
     parser.add_argument("--clients", default="10,50,100")
-    parser.add_argument("--modes", default="reference,sequential,vectorized")
+    parser.add_argument("--modes", default="reference,sequential,parallel,vectorized")
     parser.add_argument("--epochs", type=int, default=1, help="local epochs per client")
     parser.add_argument("--rows", type=int, default=20000, help="synthetic CIFAR-shaped training images shared by the clients")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])

@@ -51,13 +51,14 @@ def _split_run_args(args: list[str]) -> tuple[str | None, list[str]]:
 
 
 def cmd_run(ns: argparse.Namespace) -> int:
+    config_path, overrides = _split_run_args(ns.args)
+    cfg = load_config(config_path, overrides)  # before the slow imports: quick errors
+
     from .engine.progress import Progress
     from .engine.run_dir import RunDir, default_run_dir
     from .engine.setup import prepare
     from .engine.simulation import Simulation
 
-    config_path, overrides = _split_run_args(ns.args)
-    cfg = load_config(config_path, overrides)
     setup = prepare(cfg)
     cfg = setup.config
     path = Path(ns.out) if ns.out else default_run_dir(cfg.algorithm.name, cfg.dataset.name)

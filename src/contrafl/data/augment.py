@@ -93,8 +93,16 @@ class Transform:
                 f"{self!r} takes parameters {sorted(self._keys)}, got {sorted(params)}; "
                 "draw them with Transform.sample"
             )
-        for i, op in enumerate(self.ops):
-            x = op.apply(x, {key: params[f"{i}.{key}"].to(x.device) for key in op.keys})
+        own = [{key: params[f"{i}.{key}"].to(x.device) for key in op.keys} for i, op in enumerate(self.ops)]
+        i = 0
+        while i < len(self.ops):
+            run = _geometric_run(self.ops, i)
+            if len(run) > 1:  # compose the coordinate maps, then gather once
+                x = _remap_composed(x, [(self.ops[j], own[j]) for j in run])
+                i += len(run)
+            else:
+                x = self.ops[i].apply(x, own[i])
+                i += 1
         return x
 
     def __repr__(self) -> str:
@@ -111,7 +119,11 @@ class ToFloat(Op):
 
 @dataclass(frozen=True)
 class Normalize(Op):
-    """Per-channel standardisation of images ``[..., C, H, W]``: ``(x - mean[c]) / std[c]``."""
+    """Per-channel standardisation of images ``[..., C, H, W]``: ``(x - mean[c]) / std[c]``.
+
+    ``uint8`` pixels are first taken as ``x / 255``; the conversion and the
+    standardisation are then one multiply-add, ``x * (1 / (255 std)) - mean / std``.
+    """
 
     mean: tuple[float, ...]
     std: tuple[float, ...]
@@ -121,9 +133,15 @@ class Normalize(Op):
             raise ValueError(f"mean {self.mean} and std {self.std} need one entry per channel, std > 0")
 
     def apply(self, x: torch.Tensor, params: Params) -> torch.Tensor:
-        mean = _channel_constant(self.mean, x.device, x.dtype)
-        std = _channel_constant(self.std, x.device, x.dtype)
-        return (x - mean) / std
+        if x.dtype == torch.uint8:
+            scale = tuple(1 / (255 * s) for s in self.std)
+            x = x.to(torch.float32)
+        else:
+            scale = tuple(1 / s for s in self.std)
+        shift = tuple(-m / s for m, s in zip(self.mean, self.std))
+        return torch.addcmul(
+            _channel_constant(shift, x.device, x.dtype), x, _channel_constant(scale, x.device, x.dtype)
+        )
 
 
 @dataclass(frozen=True)
@@ -149,16 +167,21 @@ class RandomCrop(Op):
         return {"offset": torch.randint(0, 2 * self.padding + 1, (n, 2), generator=generator)}
 
     def apply(self, x: torch.Tensor, params: Params) -> torch.Tensor:
+        return _remap_composed(x, [(self, params)])
+
+    def source(self, x: torch.Tensor, rows, cols, inside, params: Params):
+        """Input pixel of every output pixel: ``(r + i - p, c + j - p)``, mirrored into
+        the image (reflect) or marked outside (zero padding)."""
         offset = params["offset"]
         _check_per_sample(x, offset, trailing=1)
         h, w = x.shape[-2:]
-        rows = offset[..., 0, None] - self.padding + torch.arange(h, device=x.device)
-        cols = offset[..., 1, None] - self.padding + torch.arange(w, device=x.device)
+        rows = rows + (offset[..., 0, None, None] - self.padding)
+        cols = cols + (offset[..., 1, None, None] - self.padding)
         if self.padding_mode == "reflect":
             if self.padding >= min(h, w):
                 raise ValueError(f"reflect padding {self.padding} needs images larger than {h}x{w}")
-            rows, cols = _reflect(rows, h), _reflect(cols, w)
-        return _remap(x, rows[..., :, None], cols[..., None, :], fill=0)
+            return _reflect(rows, h), _reflect(cols, w), inside
+        return rows, cols, _and(inside, (rows >= 0) & (rows < h) & (cols >= 0) & (cols < w))
 
 
 @dataclass(frozen=True)
@@ -176,6 +199,13 @@ class RandomHorizontalFlip(Op):
         flip = params["flip"]
         _check_per_sample(x, flip)
         return torch.where(flip[..., None, None, None], x.flip(-1), x)
+
+    def source(self, x: torch.Tensor, rows, cols, inside, params: Params):
+        """``(r, W - 1 - c)`` for flipped images, ``(r, c)`` for the others."""
+        flip = params["flip"]
+        _check_per_sample(x, flip)
+        w = x.shape[-1]
+        return rows, torch.where(flip[..., None, None], w - 1 - cols, cols), inside
 
 
 @dataclass(frozen=True)
@@ -200,17 +230,20 @@ class RandomRotation(Op):
         return {"angle": torch.empty(n).uniform_(-self.degrees, self.degrees, generator=generator)}
 
     def apply(self, x: torch.Tensor, params: Params) -> torch.Tensor:
+        return _remap_composed(x, [(self, params)], fill=self.fill)
+
+    def source(self, x: torch.Tensor, rows, cols, inside, params: Params):
+        """The nearest input pixel of the rotated position (see the class docstring)."""
         angle = params["angle"]
         _check_per_sample(x, angle)
         h, w = x.shape[-2:]
         radians = torch.deg2rad(angle.to(torch.float32))[..., None, None]
         cos, sin = radians.cos(), radians.sin()
         cy, cx = (h - 1) / 2, (w - 1) / 2
-        py = torch.arange(h, dtype=torch.float32, device=x.device)[:, None] - cy
-        px = torch.arange(w, dtype=torch.float32, device=x.device)[None, :] - cx
+        py, px = rows.to(torch.float32) - cy, cols.to(torch.float32) - cx
         src_x = (cos * px - sin * py + cx).round().long()
         src_y = (sin * px + cos * py + cy).round().long()
-        return _remap(x, src_y, src_x, fill=self.fill)
+        return src_y, src_x, _and(inside, (src_y >= 0) & (src_y < h) & (src_x >= 0) & (src_x < w))
 
 
 TransformFactory = Callable[[Sequence[float] | None, Sequence[float] | None], Transform]
@@ -250,10 +283,11 @@ def flip_transform(mean: Sequence[float] | None, std: Sequence[float] | None) ->
 def _then_normalise(
     ops: list[Op], mean: Sequence[float] | None, std: Sequence[float] | None
 ) -> Transform:
-    """``ops`` (on raw pixels), then :class:`ToFloat` and, given ``mean``, :class:`Normalize`."""
+    """``ops`` (on raw pixels), then :class:`Normalize` (which converts ``uint8`` pixels)
+    or, without ``mean``, :class:`ToFloat`."""
     if mean is None:
         return Transform(*ops, ToFloat())
-    return Transform(*ops, ToFloat(), Normalize(tuple(mean), tuple(std)))
+    return Transform(*ops, Normalize(tuple(mean), tuple(std)))
 
 
 @lru_cache(maxsize=None)
@@ -279,16 +313,37 @@ def _reflect(index: torch.Tensor, size: int) -> torch.Tensor:
     return torch.where(index > size - 1, 2 * (size - 1) - index, index)
 
 
-def _remap(x: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, fill: float) -> torch.Tensor:
-    """``out[..., c, r, s] = x[..., c, rows[..., r, s], cols[..., r, s]]``, ``fill`` where the
-    source lies outside the image.
+def _geometric_run(ops: Sequence[Op], start: int) -> list[int]:
+    """Indices of the consecutive pixel-moving ops (those with a ``source`` map and the
+    same fill) starting at ``start``."""
+    run = []
+    fill = getattr(ops[start], "fill", 0.0)
+    for j in range(start, len(ops)):
+        if not hasattr(ops[j], "source") or getattr(ops[j], "fill", 0.0) != fill:
+            break
+        run.append(j)
+    return run
 
-    ``rows`` and ``cols`` are integer tensors broadcastable to ``[..., H, W]`` (the shape of
-    ``x`` without its channel dimension); the gather keeps the dtype of ``x``.
-    """
+
+def _and(inside: torch.Tensor | None, mask: torch.Tensor) -> torch.Tensor:
+    return mask if inside is None else inside & mask
+
+
+def _remap_composed(x: torch.Tensor, ops: list[tuple[Op, Params]], fill: float = 0.0) -> torch.Tensor:
+    """Apply pixel-moving ops in order with ONE gather: map every output pixel back
+    through the ops' ``source`` maps (last op first) to a pixel of ``x``, then read it,
+    ``fill`` where some op's source fell outside its input."""
     h, w = x.shape[-2:]
+    rows = torch.arange(h, device=x.device)[:, None]
+    cols = torch.arange(w, device=x.device)[None, :]
+    inside = None
+    for op, params in reversed(ops):
+        rows, cols, inside = op.source(x, rows, cols, inside, params)
     rows, cols = torch.broadcast_tensors(rows, cols)
-    inside = (rows >= 0) & (rows < h) & (cols >= 0) & (cols < w)
-    index = (rows.clamp(0, h - 1) * w + cols.clamp(0, w - 1)).flatten(-2).unsqueeze(-2)
+    if inside is not None:
+        rows, cols = rows.clamp(0, h - 1), cols.clamp(0, w - 1)
+    index = (rows * w + cols).flatten(-2).unsqueeze(-2)
     out = x.flatten(-2).gather(-1, index.expand(*x.shape[:-2], h * w)).view_as(x)
-    return out.masked_fill_(~inside.unsqueeze(-3), fill)
+    if inside is not None:
+        out = out.masked_fill_(~inside.expand(rows.shape).unsqueeze(-3), fill)
+    return out

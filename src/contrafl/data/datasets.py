@@ -25,8 +25,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from sklearn.datasets import load_digits as _sklearn_digits
-from sklearn.model_selection import train_test_split
 
 from .. import params as P
 from ..errors import ConfigError, DataError
@@ -197,7 +195,10 @@ def load_digits(req: LoadRequest) -> FederatedDataset:
 
     The split is fixed, independent of the run seed: 25 % test, stratified, ``random_state=0``.
     """
-    bunch = _sklearn_digits()
+    from sklearn.datasets import load_digits as sklearn_digits  # imported here: slow to import
+    from sklearn.model_selection import train_test_split
+
+    bunch = sklearn_digits()
     x_train, x_test, y_train, y_test = train_test_split(
         bunch.data, bunch.target, test_size=0.25, random_state=0, stratify=bunch.target
     )
