@@ -113,7 +113,7 @@ def replies_with_reps():
 
 def test_server_reps_with_k_at_least_clients_is_unweighted_mean():
     replies, full, masks = replies_with_reps()
-    algo = FedSSC(FedSSCParams(reps_per_class=5), federation())
+    algo = FedSSC(FedSSCParams(k=5), federation())
     server = algo.aggregate(ServerState({"w": torch.zeros(2)}), replies, round=1)
     reps, mask = server.extras["class_reps"], server.extras["class_mask"]
     assert mask.tolist() == [True, True, True]
@@ -128,9 +128,9 @@ def test_server_reps_with_k_1_pick_one_client_deterministically():
     replies, full, masks = replies_with_reps()
     picks = set()
     for round in range(8):
-        algo = FedSSC(FedSSCParams(reps_per_class=1), federation(seed=3))
+        algo = FedSSC(FedSSCParams(k=1), federation(seed=3))
         reps = algo.aggregate(ServerState({"w": torch.zeros(2)}), replies, round).extras["class_reps"]
-        again = FedSSC(FedSSCParams(reps_per_class=1), federation(seed=3))
+        again = FedSSC(FedSSCParams(k=1), federation(seed=3))
         assert torch.equal(reps, again.aggregate(ServerState({"w": torch.zeros(2)}), replies, round).extras["class_reps"])
         matches = [i for i in range(3) if torch.equal(reps[0], full[i, 0])]
         assert len(matches) == 1
@@ -159,7 +159,7 @@ def moon():
 
 
 def test_without_l_glob_fedssc_is_moon(moon):
-    ssc = simulate("algorithm=fedssc", "algorithm.mu=5", "algorithm.mu_glob_start=0", "algorithm.mu_glob_end=0", "rounds=3")
+    ssc = simulate("algorithm=fedssc", "algorithm.mu_moon=5", "algorithm.mu_glob_start=0", "algorithm.mu_glob_end=0", "rounds=3")
     assert [without_bytes(r) for r in ssc.history] == [without_bytes(r) for r in moon.history]
     for key, value in moon.server.model.items():
         assert torch.equal(ssc.server.model[key], value), key

@@ -77,7 +77,7 @@ class Config:
     precision: str = P.param("fp32", P.OneOf(("fp32", "bf16")), "bf16 autocast on CUDA")
     eval_every: int = P.param(1, P.Interval(1, None), "evaluate every this many rounds (and the last)")
     eval_batch_size: int = P.param(1000, P.Interval(1, None), "batch size of evaluation")
-    eval_personal: bool | None = P.param(None, None, "evaluate clients' personal models (auto: if the algorithm has them)")
+    eval_personal: bool | None = P.param(None, None, "evaluate every client's own model: its personal model, else its last local model (auto: if the algorithm is personalised)")
     target_accuracy: float | None = P.param(None, P.Interval(0, 1), "report the first round reaching this test accuracy")
     client_memory_gb: float = P.param(4.0, _pos, "memory for client states before spilling to disk")
     vectorize_memory_gb: float = P.param(2.0, _pos, "memory budget of one vectorized chunk of clients")

@@ -26,7 +26,7 @@ from typing import Any
 
 from .errors import ConfigError
 
-__all__ = ["Interval", "OneOf", "param", "build", "describe", "suggest", "to_dict"]
+__all__ = ["Interval", "NoOptions", "OneOf", "param", "build", "describe", "suggest", "to_dict"]
 
 
 @dataclass(frozen=True)
@@ -68,6 +68,11 @@ class OneOf:
 
     def __str__(self) -> str:
         return "one of " + ", ".join(str(c) for c in self.choices)
+
+
+@dataclass(frozen=True)
+class NoOptions:
+    """The options of a component that has none."""
 
 
 def param(default: Any, check: Any = None, doc: str = "") -> Any:

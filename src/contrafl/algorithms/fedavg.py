@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.nn import functional as F
 
+from .. import params as P
 from .aggregation import sample_weights, weighted_average
 from .base import (
     Algorithm,
@@ -22,11 +22,6 @@ from .base import (
     model_state,
 )
 from .registry import ALGORITHMS
-
-
-@dataclass(frozen=True)
-class NoParams:
-    """An algorithm without hyperparameters of its own."""
 
 
 def supervised_loss(task: TaskView, batch: Batch, net: Network) -> torch.Tensor:
@@ -48,7 +43,7 @@ class FedAvg(Algorithm):
     name = "fedavg"
     summary = "FedAvg: sample-size weighted model averaging"
     paper = "McMahan et al., Communication-Efficient Learning of Deep Networks from Decentralized Data, AISTATS 2017"
-    Params = NoParams
+    Params = P.NoOptions
 
     def local_loss(self, task: TaskView, batch: Batch, net: Network):
         loss = supervised_loss(task, batch, net)

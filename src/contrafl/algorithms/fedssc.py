@@ -12,22 +12,22 @@ from torch.nn import functional as F
 from .. import params as P
 from ..engine.rng import generator
 from .base import Batch, ClientContext, LocalTask, Network, Reply, ServerState, TaskView, TrainResult, model_state
-from .moon import Moon, MoonParams, model_contrastive_loss
+from .moon import Moon
 from .registry import ALGORITHMS
 
 
 @dataclass(frozen=True)
-class FedSSCParams(MoonParams):
-    mu: float = P.param(5.0, P.Interval(0, None), "mu_moon: weight of MOON's model-contrastive term L_moon (paper: 5)")
-    k: int = P.param(1, P.Interval(1, None), "previous local models used as negatives in L_moon (MOON's model_buffer_size; the paper's k is reps_per_class)")
-    loss: str = P.param("contrastive", P.OneOf(("contrastive", "l2")), "L_moon: MOON's model-contrastive loss (eq. 3) or ||z - z_glob||_2 (MOON eq. 6)")
-    mu_glob_start: float = P.param(1.0, P.Interval(0, None), "mu_glob at round 0: weight of the class-wise contrastive term L_glob")
-    mu_glob_end: float = P.param(0.1, P.Interval(0, None), "mu_glob after warmup_rounds (schedule=linear)")
-    warmup_rounds: int = P.param(100, P.Interval(1, None), "rounds over which mu_glob moves linearly from start to end")
+class FedSSCParams:
+    mu_moon: float = P.param(5.0, P.Interval(0, None), "weight of MOON's model-contrastive term L_moon (paper: 5)")
+    mu_glob_start: float = P.param(1.0, P.Interval(0, None), "mu_glob at round 0: weight of the class-wise contrastive term L_glob [infer]")
+    mu_glob_end: float = P.param(0.1, P.Interval(0, None), "mu_glob after warmup_rounds (schedule=linear) [infer]")
+    warmup_rounds: int = P.param(100, P.Interval(1, None), "rounds over which mu_glob moves linearly from start to end (paper: 100)")
     schedule: str = P.param("linear", P.OneOf(("linear", "constant")), "mu_glob schedule: linear start->end, or constant mu_glob_start")
-    reps_per_class: int = P.param(5, P.Interval(1, None), "k: client representations the server samples and averages per class")
+    temperature: float = P.param(0.5, P.Interval(0, None, "neither"), "tau of L_moon and L_glob (MOON's) [infer]")
+    k: int = P.param(5, P.Interval(1, None), "client representations the server samples and averages per class [infer]")
     min_class_samples: int = P.param(10, P.Interval(1, None), "a client shares class c only if it holds at least this many samples of c")
     missing_class: str = P.param("keep", P.OneOf(("keep", "drop")), "class nobody shared this round: keep its last representation, or drop it")
+    prev_models: int = P.param(1, P.Interval(1, None), "previous local models used as negatives in L_moon (MOON's k)")
 
 
 def class_contrastive_loss(
@@ -100,8 +100,8 @@ class FedSSC(Moon):
 
         L = CE(F_w(x), y) + mu_moon * L_moon(z, z_glob, z_prev) + mu_glob(t) * L_glob(z, ZS^t)
 
-    ``L_moon`` is MOON's model-contrastive loss (all MOON options and its previous-model
-    pool apply; no ``L_moon`` in round 0). ``L_glob`` (eq. 3, :func:`class_contrastive_loss`)
+    ``L_moon`` is MOON's model-contrastive loss with its previous-model pool
+    (``prev_models`` = MOON's ``k``; no ``L_moon`` in round 0). ``L_glob`` (eq. 3, :func:`class_contrastive_loss`)
     pulls ``z_i`` towards the shared representation of its class and away from the other
     classes' ones. ``mu_glob(t) = mu^1 + (mu^e - mu^1) * min(t / warmup_rounds, 1)``
     (``schedule=linear``) or ``mu^1`` (``schedule=constant``).
@@ -119,6 +119,18 @@ class FedSSC(Moon):
     summary = "FedSSC: MOON + mu_glob * contrastive loss to server-averaged class representations"
     paper = "Hu, Feng, Yang, Chen, FedSSC: shared supervised-contrastive federated learning, Harvard University report, 2023"
     Params = FedSSCParams
+
+    @property
+    def moon_weight(self) -> float:
+        return self.params.mu_moon
+
+    @property
+    def moon_negatives(self) -> int:
+        return self.params.prev_models
+
+    @property
+    def moon_loss(self) -> str:
+        return "contrastive"
 
     def mu_glob(self, round: int) -> float:
         """The weight of ``L_glob`` in round ``round`` (0-based)."""
@@ -139,7 +151,7 @@ class FedSSC(Moon):
         models = super().aggregate(server, replies, round).model
         shared = [(r.payload["class_reps"]["reps"], r.payload["class_reps"]["mask"]) for r in replies]
         g = generator(self.federation.seed, "fedssc", round)
-        reps, mask = sample_class_reps(shared, self.federation.num_classes, self.params.reps_per_class, g)
+        reps, mask = sample_class_reps(shared, self.federation.num_classes, self.params.k, g)
         if self.params.missing_class == "keep" and "class_mask" in server.extras:
             kept = server.extras["class_mask"] & ~mask
             reps = torch.where(kept[:, None], server.extras["class_reps"], reps)
@@ -156,23 +168,16 @@ class FedSSC(Moon):
         return task
 
     def local_loss(self, task: TaskView, batch: Batch, net: Network):
-        p = self.params
         out = net({**task.params["model"], **task.buffers["model"]}, batch.x, train=True)
         ce = F.cross_entropy(out.logits, batch.y)
         loss, stats = ce, {"ce": ce.detach()}
-        if "global" in task.frozen:
-            with torch.no_grad():
-                z_glob = net(task.frozen["global"], batch.x, train=False).z
-                z_prev = [net(task.frozen[f"prev{i}"], batch.x, train=False).z for i in range(1, p.k + 1) if f"prev{i}" in task.frozen]
-            if p.loss == "l2":
-                con = (out.z - z_glob).norm(dim=1).mean()
-            else:
-                con = model_contrastive_loss(out.z, z_glob, z_prev, p.temperature)
-            loss = loss + p.mu * con
+        con = self.moon_term(task, batch, net, out.z)
+        if con is not None:
+            loss = loss + self.moon_weight * con
             stats["con"] = con.detach()
         if "class_reps" in task.consts:
             c = task.consts
-            glob = class_contrastive_loss(out.z, batch.y, c["class_reps"], c["class_mask"], p.temperature)
+            glob = class_contrastive_loss(out.z, batch.y, c["class_reps"], c["class_mask"], self.params.temperature)
             loss = loss + c["mu_glob"] * glob
             stats["glob"] = glob.detach()
         stats["loss"] = loss.detach()

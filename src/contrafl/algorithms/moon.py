@@ -68,15 +68,28 @@ class Moon(FedAvg):
     paper = "Li, He, Song, Model-Contrastive Federated Learning, CVPR 2021"
     Params = MoonParams
 
+    # MOON's three settings, read through properties so that FedSSC, which adds to MOON's
+    # objective, can name them as its paper does.
+    @property
+    def moon_weight(self) -> float:
+        return self.params.mu
+
+    @property
+    def moon_negatives(self) -> int:
+        return self.params.k
+
+    @property
+    def moon_loss(self) -> str:
+        return self.params.loss
+
     def client_begin(self, message: dict[str, Any], state: dict[str, Any], ctx: ClientContext) -> LocalTask:
         task = super().client_begin(message, state, ctx)
-        p = self.params
-        if p.mu == 0:
+        if self.moon_weight == 0:
             return task
-        if p.loss == "l2":
+        if self.moon_loss == "l2":
             task.frozen["global"] = message["model"]
             return task
-        negatives = min(ctx.round, p.k)
+        negatives = min(ctx.round, self.moon_negatives)
         if negatives:
             history = state.get("history", [])
             task.frozen["global"] = message["model"]
@@ -84,24 +97,34 @@ class Moon(FedAvg):
                 task.frozen[f"prev{i}"] = model_at(history, ctx.round - i, ctx)
         return task
 
+    def moon_term(self, task: TaskView, batch: Batch, net: Network, z: torch.Tensor) -> torch.Tensor | None:
+        """``l_con`` for the projections ``z`` of the trained model (``||z - z_glob||_2``
+        with ``loss=l2``), or None when the task has no global model (round 0, mu = 0)."""
+        if "global" not in task.frozen:
+            return None
+        with torch.no_grad():
+            z_glob = net(task.frozen["global"], batch.x, train=False).z
+            z_prev = [
+                net(task.frozen[f"prev{i}"], batch.x, train=False).z
+                for i in range(1, self.moon_negatives + 1)
+                if f"prev{i}" in task.frozen
+            ]
+        if self.moon_loss == "l2":
+            return (z - z_glob).norm(dim=1).mean()
+        return model_contrastive_loss(z, z_glob, z_prev, self.params.temperature)
+
     def local_loss(self, task: TaskView, batch: Batch, net: Network):
         out = net({**task.params["model"], **task.buffers["model"]}, batch.x, train=True)
         ce = F.cross_entropy(out.logits, batch.y)
-        if "global" not in task.frozen:
+        con = self.moon_term(task, batch, net, out.z)
+        if con is None:
             return ce, {"loss": ce.detach(), "ce": ce.detach()}
-        with torch.no_grad():
-            z_glob = net(task.frozen["global"], batch.x, train=False).z
-            z_prev = [net(task.frozen[f"prev{i}"], batch.x, train=False).z for i in range(1, self.params.k + 1) if f"prev{i}" in task.frozen]
-        if self.params.loss == "l2":
-            con = (out.z - z_glob).norm(dim=1).mean()
-        else:
-            con = model_contrastive_loss(out.z, z_glob, z_prev, self.params.temperature)
-        loss = ce + self.params.mu * con
+        loss = ce + self.moon_weight * con
         return loss, {"loss": loss.detach(), "ce": ce.detach(), "con": con.detach()}
 
     def client_end(
         self, task: LocalTask, result: TrainResult, state: dict[str, Any], ctx: ClientContext
     ) -> tuple[Reply, dict[str, Any]]:
         model = model_state(result)
-        history = (state.get("history", []) + [(ctx.round, model)])[-self.params.k :]
+        history = (state.get("history", []) + [(ctx.round, model)])[-self.moon_negatives :]
         return Reply(ctx.cid, ctx.num_samples, {"model": model}), {"history": history}

@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from .base import Algorithm, ClientContext, LocalTask, Reply, ServerState, StateDict, TrainResult, model_state
-from .fedavg import FedAvg, NoParams
+from .. import params as P
+from .fedavg import FedAvg
 from .registry import ALGORITHMS
 
 
@@ -23,7 +24,7 @@ class Solo(Algorithm):
     name = "solo"
     summary = "SOLO: each client trains alone; reports mean +- std of client accuracies"
     paper = "Li, He, Song, Model-Contrastive Federated Learning (SOLO baseline), CVPR 2021"
-    Params = NoParams
+    Params = P.NoOptions
     evaluates_global = False
     personalized = True
     local_loss = FedAvg.local_loss

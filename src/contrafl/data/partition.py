@@ -35,7 +35,6 @@ __all__ = [
     "PARTITIONS",
     "PartitionSpec",
     "SplitRequest",
-    "NoOptions",
     "DirichletOptions",
     "PathologicalOptions",
     "QuantityOptions",
@@ -49,11 +48,6 @@ MAX_ATTEMPTS = 1000
 
 _POSITIVE = P.Interval(0, None, "neither")
 _MIN_SIZE_DOC = "redraw until every client holds at least this many samples"
-
-
-@dataclass(frozen=True)
-class NoOptions:
-    """Partitioners without options of their own."""
 
 
 @dataclass(frozen=True)
@@ -118,7 +112,7 @@ class PartitionSpec:
     name: str
     summary: str
     split: Callable[[SplitRequest], list[np.ndarray]]
-    options: type = NoOptions
+    options: type = P.NoOptions
 
 
 PARTITIONS: Registry[PartitionSpec] = Registry("partition")

@@ -7,13 +7,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .. import params as P
 from ..registry import Registry
 from .base import FederatedDataset
-
-
-@dataclass(frozen=True)
-class EmptyOptions:
-    """Datasets without options of their own."""
 
 
 @dataclass(frozen=True)
@@ -32,7 +28,7 @@ class LoadRequest:
     data_dir: Path | None = None
     allow_subset: bool = False
     download: bool = False
-    options: Any = field(default_factory=EmptyOptions)
+    options: Any = field(default_factory=P.NoOptions)
     num_clients: int = 10
     seed: int = 0
 
@@ -61,7 +57,7 @@ class DatasetSpec:
     default_model: str
     augment: str
     recommended: Mapping[str, Any]
-    options: type = EmptyOptions
+    options: type = P.NoOptions
     download: Callable[[Path], Path] | None = None
     needs_data_dir: bool = True
 

@@ -80,8 +80,21 @@ def load_data(cfg: Config) -> tuple[FederatedDataset, Component]:
     return spec.load(request), Component(spec.name, P.to_dict(options))
 
 
+def check_components(cfg: Config) -> None:
+    """Validate every component name and option of ``cfg`` without loading any data
+    (so that a suite of runs fails at once on a typo in its last run)."""
+    algo_cls = ALGORITHMS.get(cfg.algorithm.name)
+    P.build(algo_cls.Params, cfg.algorithm.options, "algorithm")
+    spec = DATASETS.get(cfg.dataset.name)
+    P.build(spec.options, cfg.dataset.options, "dataset")
+    split_options(MODELS.get(spec.default_model if cfg.model.name == "auto" else cfg.model.name), cfg.model.options)
+    augment.AUGMENTATIONS.get(spec.augment if cfg.augment == "auto" else cfg.augment)
+    P.build(PARTITIONS.get(cfg.partition.name).options, cfg.partition.options, "partition")
+
+
 def prepare(cfg: Config) -> Setup:
     """Validate and resolve ``cfg``, load and partition the data, build the algorithm."""
+    check_components(cfg)
     algo_cls = ALGORITHMS.get(cfg.algorithm.name)
     algo_params = P.build(algo_cls.Params, cfg.algorithm.options, "algorithm")
     device = resolve_device(cfg.device)
@@ -90,9 +103,7 @@ def prepare(cfg: Config) -> Setup:
     model_name = spec.default_model if cfg.model.name == "auto" else cfg.model.name
     head, backbone = split_options(MODELS.get(model_name), cfg.model.options)
     augment_name = spec.augment if cfg.augment == "auto" else cfg.augment
-    augment.AUGMENTATIONS.get(augment_name)
     partition_name = cfg.partition.name
-    PARTITIONS.get(partition_name)
 
     data, dataset_component = load_data(cfg)
     if data.natural_partition is not None and partition_name != "natural":

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..algorithms.base import Algorithm, Reply, StateDict
+from ..algorithms.base import Algorithm, Reply, StateDict, model_state
 from ..algorithms.server_opt import ServerOptimizer
 from ..config import Config
 from ..errors import ClientUpdateError, ConfigError, ContraflError
@@ -229,8 +229,10 @@ class Simulation:
             reply, state = algo.client_end(job.task, result, entry["algorithm"], ctx)
             check_reply(reply, t)
             replies.append(reply)
-            opt_state = result.opt_state if cfg.persist_optimizer_state else None
-            self.store.put(job.cid, {"algorithm": state, "optimizer": opt_state})
+            entry = {"algorithm": state, "optimizer": result.opt_state if cfg.persist_optimizer_state else None}
+            if cfg.eval_personal and "model" in result.params:
+                entry["local"] = model_state(result)  # the client's local model, for evaluation
+            self.store.put(job.cid, entry)
             if "loss" in result.stats:
                 loss_sum += float(result.stats["loss"])
             steps += result.steps
@@ -276,6 +278,8 @@ class Simulation:
                 if entry is None:
                     continue
                 state = self.algorithm.personal_state(entry["algorithm"], self.server)
+                if state is None:
+                    state = entry.get("local")
                 if state is None:
                     continue
                 if test_rows is not None:

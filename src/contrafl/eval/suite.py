@@ -93,14 +93,16 @@ def run_suite(
 ) -> dict[str, Any]:
     """Run (or resume) every method x seed of ``suite`` into ``out``; return the results."""
     from ..engine.run_dir import RunDir
-    from ..engine.setup import prepare
+    from ..engine.setup import check_components, prepare
     from ..engine.simulation import Simulation
 
     chosen = list(methods) if methods else list(suite.methods)
     for m in chosen:
         if m not in suite.methods:
             raise ConfigError(f"unknown method '{m}' in {suite.name}; the suite has: {', '.join(suite.methods)}")
-    configs = {(m, s): suite.config(m, s, overrides) for m in chosen for s in suite.seeds}  # validate all first
+    configs = {(m, s): suite.config(m, s, overrides) for m in chosen for s in suite.seeds}
+    for cfg in configs.values():  # every run's settings are checked before the first starts
+        check_components(cfg)
     total = len(configs)
     for i, ((method, seed), cfg) in enumerate(configs.items(), start=1):
         run_path = out / _slug(method) / f"seed{seed}"
@@ -237,12 +239,14 @@ def plot_curves(results: Mapping[str, Any], path: Path, title: str = "") -> Path
         return None
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
     fig = Figure(figsize=(6, 4), dpi=120)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
     for method, curve in curves.items():
         ax.plot([r for r, _ in curve], [100 * a for _, a in curve], label=method)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("round")
     ax.set_ylabel("test accuracy (%)")
     ax.set_title(title, fontsize=9)

@@ -17,7 +17,7 @@ from torch.nn import functional as F
 from .. import params as P
 from ..errors import ConfigError
 from .layers import max_pool2x2
-from .registry import MODELS, ModelSpec, NoOptions
+from .registry import MODELS, ModelSpec
 
 KERNEL = 5
 
@@ -83,7 +83,7 @@ class FedAvgCNNOptions:
     dim: int = P.param(128, P.Interval(1, None), "width d of the representation (FedCRL: 128)")
 
 
-def moon_cnn(input_shape: tuple[int, ...], options: NoOptions) -> tuple[nn.Module, int]:
+def moon_cnn(input_shape: tuple[int, ...], options: P.NoOptions) -> tuple[nn.Module, int]:
     """``SimpleCNNHeader`` for ``input_shape``; representation width 84."""
     return SimpleCNNHeader(input_shape[0], _flat_dim("moon_cnn", input_shape, 16)), 84
 

@@ -16,11 +16,6 @@ from .base import FedModel
 
 
 @dataclass(frozen=True)
-class NoOptions:
-    """Backbones without options of their own."""
-
-
-@dataclass(frozen=True)
 class HeadOptions:
     """Options shared by every model (``model.<option>=...``)."""
 
@@ -46,7 +41,7 @@ class ModelSpec:
     name: str
     summary: str
     features: Callable[[tuple[int, ...], Any], tuple[nn.Module, int]]
-    options: type = NoOptions
+    options: type = P.NoOptions
     inputs: str = "image"
 
 

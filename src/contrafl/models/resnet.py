@@ -17,7 +17,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .registry import MODELS, ModelSpec, NoOptions
+from .. import params as P
+from .registry import MODELS, ModelSpec
 
 
 def conv3x3(in_planes: int, planes: int, stride: int = 1) -> nn.Conv2d:
@@ -113,12 +114,12 @@ def resnet_cifar(
     return encoder, in_planes
 
 
-def resnet18(input_shape: tuple[int, ...], options: NoOptions) -> tuple[nn.Module, int]:
+def resnet18(input_shape: tuple[int, ...], options: P.NoOptions) -> tuple[nn.Module, int]:
     """ResNet-18 (BasicBlock ``[2, 2, 2, 2]``), 512-d representation."""
     return resnet_cifar(BasicBlock, (2, 2, 2, 2), input_shape[0])
 
 
-def resnet50(input_shape: tuple[int, ...], options: NoOptions) -> tuple[nn.Module, int]:
+def resnet50(input_shape: tuple[int, ...], options: P.NoOptions) -> tuple[nn.Module, int]:
     """ResNet-50 (Bottleneck v1.5 ``[3, 4, 6, 3]``), 2048-d representation."""
     return resnet_cifar(Bottleneck, (3, 4, 6, 3), input_shape[0])
 
