@@ -60,7 +60,7 @@ def main() -> None:
     parser.add_argument("--algorithm", default="moon")
     parser.add_argument("--clients", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=2, help="rounds to measure (round 0 has no MOON term)")
-    parser.add_argument("--executor", default="auto", choices=["auto", "sequential", "vectorized"])
+    parser.add_argument("--executor", default="auto", choices=["auto", "sequential", "parallel", "vectorized"])
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
     parser.add_argument("--scaling", action="store_true", help="compare 10 and 100 clients at equal total samples")

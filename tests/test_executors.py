@@ -222,3 +222,21 @@ def test_parallel_executor_reports_worker_failures():
     ex = ParallelExecutor(Workload(x, y, tf, FunctionalNet(model), [Stage(broken)], SGD(0.1)), workers=2)
     with pytest.raises(RuntimeError, match="boom in a worker"):
         ex.train(jobs)
+
+
+def test_auto_executor_follows_device_and_workload(monkeypatch):
+    from types import SimpleNamespace
+
+    from contrafl.config import build_config
+    from contrafl.engine import simulation
+
+    algo = SimpleNamespace(name="fedavg", vectorizable=True)
+    cfg = build_config({"num_clients": 10, "local_epochs": 1, "batch_size": 10})
+    monkeypatch.setattr(simulation, "cpu_cores", lambda: 2)
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    big, small = [200] * 10, [30] * 10  # 20 and 3 steps per client and round
+    assert simulation.choose_executor(cfg, algo, cpu, big) == "parallel"
+    assert simulation.choose_executor(cfg, algo, cpu, small) == "sequential"
+    assert simulation.choose_executor(cfg, algo, cuda, small) == "vectorized"
+    monkeypatch.setattr(simulation, "cpu_cores", lambda: 1)
+    assert simulation.choose_executor(cfg, algo, cpu, big) == "sequential"

@@ -127,7 +127,8 @@ def run_suite(
 
 
 def _slug(name: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.+-]+", "_", name)
+    """Directory name of a method: ``"MOON (mu=5)"`` -> ``"MOON-mu-5"``."""
+    return re.sub(r"[^A-Za-z0-9_.+]+", "-", name).strip("-")
 
 
 def _completed(path: Path) -> bool:
