@@ -66,6 +66,9 @@ def test_overrides_and_errors(tmp_path):
     bad = Suite(name="bad", base={}, methods={"A": {"algorithm": {"name": "moon", "mu": -1}}})
     with pytest.raises(ConfigError, match="algorithm.mu=-1 is invalid"):
         run_suite(bad, tmp_path)
+    missing = Suite(name="m", base={"dataset": "cifar10", "data_dir": str(tmp_path / "nope")}, methods={"A": {}})
+    with pytest.raises(ConfigError, match="nope does not exist"):
+        run_suite(missing, tmp_path)
     assert not any(tmp_path.iterdir())  # nothing ran
     (tmp_path / "x.yaml").write_text("name: x\n")
     with pytest.raises(ConfigError, match="has no 'methods'"):

@@ -58,6 +58,21 @@ def load_data(cfg: Config) -> tuple[FederatedDataset, Component]:
     """Load the configured dataset; returns it and its validated component."""
     spec = DATASETS.get(cfg.dataset.name)
     options = P.build(spec.options, cfg.dataset.options, "dataset")
+    data_dir = check_data_dir(cfg)
+    request = LoadRequest(
+        data_dir=data_dir,
+        allow_subset=cfg.allow_subset,
+        download=cfg.download,
+        options=options,
+        num_clients=cfg.num_clients,
+        seed=cfg.seed,
+    )
+    return spec.load(request), Component(spec.name, P.to_dict(options))
+
+
+def check_data_dir(cfg: Config) -> Path | None:
+    """The configured data directory, checked to exist when the dataset needs one."""
+    spec = DATASETS.get(cfg.dataset.name)
     data_dir = Path(cfg.data_dir).expanduser() if cfg.data_dir else None
     if spec.needs_data_dir and data_dir is None:
         raise ConfigError(
@@ -69,15 +84,7 @@ def load_data(cfg: Config) -> tuple[FederatedDataset, Component]:
             f"data_dir={cfg.data_dir} does not exist; point it to the {spec.name} files or get them "
             f"with `contrafl data download {spec.name} --data-dir {cfg.data_dir}`"
         )
-    request = LoadRequest(
-        data_dir=data_dir,
-        allow_subset=cfg.allow_subset,
-        download=cfg.download,
-        options=options,
-        num_clients=cfg.num_clients,
-        seed=cfg.seed,
-    )
-    return spec.load(request), Component(spec.name, P.to_dict(options))
+    return data_dir
 
 
 def check_components(cfg: Config) -> None:

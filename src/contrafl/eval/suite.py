@@ -93,7 +93,7 @@ def run_suite(
 ) -> dict[str, Any]:
     """Run (or resume) every method x seed of ``suite`` into ``out``; return the results."""
     from ..engine.run_dir import RunDir
-    from ..engine.setup import check_components, prepare
+    from ..engine.setup import check_components, check_data_dir, prepare
     from ..engine.simulation import Simulation
 
     chosen = list(methods) if methods else list(suite.methods)
@@ -103,6 +103,7 @@ def run_suite(
     configs = {(m, s): suite.config(m, s, overrides) for m in chosen for s in suite.seeds}
     for cfg in configs.values():  # every run's settings are checked before the first starts
         check_components(cfg)
+        check_data_dir(cfg)
     total = len(configs)
     for i, ((method, seed), cfg) in enumerate(configs.items(), start=1):
         run_path = out / _slug(method) / f"seed{seed}"
