@@ -53,7 +53,8 @@ def test_run_suite_tables_and_resumes(tmp_path):
     # a second call finds every run finished and only re-tabulates
     log.clear()
     again = run_suite(_tiny_suite(), tmp_path, log=log.append)
-    assert all("skipped" in line for line in log) and len(log) == 4
+    assert log[0] == f"tiny: 2 methods x 2 seeds -> {tmp_path}"
+    assert all("skipped" in line for line in log[1:]) and len(log) == 5
     assert again["methods"]["MOON"]["test_acc"] == finals
 
 

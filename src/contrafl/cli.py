@@ -196,7 +196,6 @@ def cmd_experiment(ns: argparse.Namespace) -> int:
         suite.seeds = _seeds(ns.seeds)
     out = Path(ns.out) if ns.out else Path("runs") / "experiments" / Path(ns.file).stem
     methods = ns.methods.split(",") if ns.methods else None
-    print(f"{suite.name}: {len(methods or suite.methods)} methods x {len(suite.seeds)} seeds -> {out}")
     results = run_suite(suite, out, ns.overrides, methods)
     print(format_table(suite, results))
     print(f"results: {out / 'results.md'}, curves: {out / 'curves.png'}")

@@ -105,6 +105,7 @@ def run_suite(
         check_components(cfg)
         check_data_dir(cfg)
     total = len(configs)
+    log(f"{suite.name}: {len(chosen)} methods x {len(suite.seeds)} seeds -> {out}")
     for i, ((method, seed), cfg) in enumerate(configs.items(), start=1):
         run_path = out / _slug(method) / f"seed{seed}"
         if _completed(run_path):
