@@ -9,7 +9,7 @@ from contrafl.cli import main
 from contrafl.engine.setup import check_components
 from contrafl.errors import ConfigError
 from contrafl.eval.metrics import mean_std
-from contrafl.eval.suite import Suite, format_table, load_suite, run_suite
+from contrafl.eval.suite import Suite, _slug, format_table, load_suite, run_suite
 
 EXPERIMENTS = Path(__file__).resolve().parents[1] / "experiments"
 
@@ -88,3 +88,8 @@ def test_compare_command(tmp_path, capsys):
     assert "| fedavg |" in out and "| moon |" in out and "rounds to" in out
     cfg = (tmp_path / "moon" / "seed0" / "config.yaml").read_text()
     assert "mu: 5.0" in cfg
+
+
+def test_method_directory_names():
+    assert _slug("MOON + FedAvgM (mu=5)") == "MOON-FedAvgM-mu-5"
+    assert _slug("FedSiam-DA") == "FedSiam-DA"

@@ -129,8 +129,8 @@ def run_suite(
 
 
 def _slug(name: str) -> str:
-    """Directory name of a method: ``"MOON (mu=5)"`` -> ``"MOON-mu-5"``."""
-    return re.sub(r"[^A-Za-z0-9_.+]+", "-", name).strip("-")
+    """Directory name of a method: ``"MOON + FedAvgM (mu=5)"`` -> ``"MOON-FedAvgM-mu-5"``."""
+    return re.sub(r"[^A-Za-z0-9_.]+", "-", name).strip("-")
 
 
 def _completed(path: Path) -> bool:
