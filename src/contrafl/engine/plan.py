@@ -47,6 +47,13 @@ class ClientPlan:
         return ClientPlan(self.order.to(device), self.sizes, aug, self.epoch_ends)
 
 
+def epoch_batch_sizes(n: int, batch_size: int, drop_last: bool) -> list[int]:
+    """Sizes of the batches of one epoch over ``n`` samples; with ``drop_last`` (MOON's
+    DataLoader setting) the last incomplete batch is dropped."""
+    full, rest = divmod(n, batch_size)
+    return [batch_size] * full + ([] if drop_last or rest == 0 else [rest])
+
+
 def make_plan(
     rows: np.ndarray,
     epochs: int,
@@ -64,8 +71,7 @@ def make_plan(
     """
     rows_t = torch.as_tensor(np.asarray(rows), dtype=torch.long)
     n = len(rows_t)
-    full, rest = divmod(n, batch_size)
-    epoch_sizes = [batch_size] * full + ([] if drop_last or rest == 0 else [rest])
+    epoch_sizes = epoch_batch_sizes(n, batch_size, drop_last)
     used = sum(epoch_sizes)
     order, sizes, ends = [], [], []
     for _ in range(epochs):

@@ -30,7 +30,7 @@ from .comm import add_bytes, payload_bytes
 from .executor import FunctionalNet, Job, SequentialExecutor, Workload
 from .optim import make_optimizer
 from .parallel import ParallelExecutor
-from .plan import make_plan
+from .plan import epoch_batch_sizes, make_plan
 from .progress import Progress
 from .rng import derive_seed, generator
 from .run_dir import RunDir
@@ -82,7 +82,8 @@ def choose_executor(cfg: Config, algorithm: Algorithm, device: torch.device, cli
         return cfg.executor
     if device.type == "cuda":
         return "vectorized" if can_vectorize else "sequential"
-    mean_steps = cfg.local_epochs * sum(n // cfg.batch_size for n in client_sizes) / max(len(client_sizes), 1)
+    steps = [cfg.local_epochs * len(epoch_batch_sizes(n, cfg.batch_size, cfg.drop_last)) for n in client_sizes]
+    mean_steps = sum(steps) / max(len(steps), 1)
     if cpu_cores() > 1 and cfg.num_clients * cfg.sample_fraction >= 2 and mean_steps >= PARALLEL_MIN_STEPS:
         return "parallel"
     return "sequential"

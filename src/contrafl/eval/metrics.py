@@ -15,6 +15,17 @@ def rounds_to_reach(history: Iterable[Mapping], target: float, key: str = "test_
     return None
 
 
+def last_row(history: Sequence[Mapping], key: str) -> Mapping | None:
+    """The last row in which ``key`` was evaluated, or None."""
+    return next((row for row in reversed(history) if row.get(key) is not None), None)
+
+
+def last_value(history: Sequence[Mapping], key: str = "test_acc") -> float | None:
+    """The last evaluated value of ``key`` (the final accuracy by default), or None."""
+    row = last_row(history, key)
+    return None if row is None else row[key]
+
+
 def mean_std(values: Sequence[float]) -> tuple[float, float]:
     """Mean and population standard deviation (``numpy.std``), as MOON reports SOLO."""
     n = len(values)

@@ -8,7 +8,7 @@ from pathlib import Path
 import yaml
 
 from ..errors import ContraflError
-from .metrics import rounds_to_reach
+from .metrics import last_row, last_value, rounds_to_reach
 
 
 def read_run(path: Path) -> tuple[dict, list[dict], dict]:
@@ -23,11 +23,6 @@ def read_run(path: Path) -> tuple[dict, list[dict], dict]:
     return config, rows, summary
 
 
-def final_accuracy(rows: list[dict]) -> float | None:
-    accs = [r["test_acc"] for r in rows if r.get("test_acc") is not None]
-    return accs[-1] if accs else None
-
-
 def report(runs: list[Path], target: float | None = None, target_from: Path | None = None) -> str:
     """Final/best accuracy per run and the rounds each needs to reach ``target``.
 
@@ -36,7 +31,7 @@ def report(runs: list[Path], target: float | None = None, target_from: Path | No
     """
     if target_from is not None:
         _, rows, _ = read_run(Path(target_from))
-        target = final_accuracy(rows)
+        target = last_value(rows)
         if target is None:
             raise ContraflError(f"{target_from} has no evaluated test accuracy to use as target")
     header = ["run", "algorithm", "rounds", "final acc", "best acc", "client acc"]
@@ -48,14 +43,14 @@ def report(runs: list[Path], target: float | None = None, target_from: Path | No
         algo = config.get("algorithm")
         algo = algo.get("name") if isinstance(algo, dict) else algo
         accs = [r["test_acc"] for r in rows if r.get("test_acc") is not None]
-        personal = [r for r in rows if r.get("personal_acc") is not None]
+        personal = last_row(rows, "personal_acc")
         line = [
             Path(path).name,
             str(algo),
             str(rows[-1]["round"] if rows else 0),
             f"{accs[-1]:.4f}" if accs else "-",
             f"{max(accs):.4f}" if accs else "-",
-            f"{personal[-1]['personal_acc']:.4f}±{personal[-1]['personal_acc_std']:.4f}" if personal else "-",
+            f"{personal['personal_acc']:.4f}±{personal['personal_acc_std']:.4f}" if personal else "-",
         ]
         if target is not None:
             reached = rounds_to_reach(rows, target)

@@ -32,7 +32,7 @@ import yaml
 
 from ..config import apply_overrides, build_config, merge
 from ..errors import ConfigError
-from .metrics import mean_std, rounds_to_reach
+from .metrics import last_row, last_value, mean_std, rounds_to_reach
 from .report import read_run
 
 
@@ -107,17 +107,17 @@ def run_suite(
     total = len(configs)
     log(f"{suite.name}: {len(chosen)} methods x {len(suite.seeds)} seeds -> {out}")
     for i, ((method, seed), cfg) in enumerate(configs.items(), start=1):
-        run_path = out / _slug(method) / f"seed{seed}"
-        if _completed(run_path):
+        path = run_path(out, method, seed)
+        if _completed(path):
             log(f"[{i}/{total}] {method} seed {seed}: done before, skipped")
             continue
-        if run_path.exists():  # an interrupted run starts again
-            shutil.rmtree(run_path)
-        log(f"[{i}/{total}] {method} seed {seed} -> {run_path}")
+        if path.exists():  # an interrupted run starts again
+            shutil.rmtree(path)
+        log(f"[{i}/{total}] {method} seed {seed} -> {path}")
         if runner is not None:
-            runner(cfg, run_path)
+            runner(cfg, path)
         else:
-            summary = Simulation(prepare(cfg), RunDir(run_path), None).run()
+            summary = Simulation(prepare(cfg), RunDir(path), None).run()
             final = summary.get("final", {})
             acc = final.get("test_acc", final.get("personal_acc"))
             log(f"    final accuracy {acc:.4f} in {summary['wall_time_s']:.0f}s")
@@ -126,6 +126,11 @@ def run_suite(
     (out / "results.md").write_text(format_table(suite, results) + "\n")
     plot_curves(results, out / "curves.png", title=suite.name)
     return results
+
+
+def run_path(out: Path, method: str, seed: int) -> Path:
+    """The run directory of ``method`` with ``seed`` in a suite's output directory."""
+    return out / _slug(method) / f"seed{seed}"
 
 
 def _slug(name: str) -> str:
@@ -140,56 +145,35 @@ def _completed(path: Path) -> bool:
 
 def collect(suite: Suite, out: Path, methods: Sequence[str]) -> dict[str, Any]:
     """Per method: final accuracies per seed, mean curve, client accuracies, rounds to target."""
+    histories = {
+        method: [read_run(p)[1] for p in (run_path(out, method, seed) for seed in suite.seeds) if _completed(p)]
+        for method in methods
+    }
+    finals = {m: [f for f in map(last_value, runs) if f is not None] for m, runs in histories.items()}
+    target = _target(suite, finals)
     per_method: dict[str, Any] = {}
-    histories: dict[str, list[list[dict]]] = {}
-    for method in methods:
-        rows_per_seed = []
-        for seed in suite.seeds:
-            path = out / _slug(method) / f"seed{seed}"
-            if _completed(path):
-                rows_per_seed.append(read_run(path)[1])
-        histories[method] = rows_per_seed
-    target = _target(suite, histories)
     for method, runs in histories.items():
         entry: dict[str, Any] = {"seeds": len(runs)}
-        finals = [_last(rows, "test_acc") for rows in runs]
-        finals = [f for f in finals if f is not None]
-        if finals:
-            entry["test_acc"] = finals
-            entry["test_acc_mean"], entry["test_acc_std"] = mean_std(finals)
-            curve = _mean_curve(runs, "test_acc")
-            entry["curve"] = curve
-        personal = [r for r in (_last_row(rows, "personal_acc") for rows in runs) if r is not None]
+        if finals[method]:
+            entry["test_acc"] = finals[method]
+            entry["test_acc_mean"], entry["test_acc_std"] = mean_std(finals[method])
+            entry["curve"] = _mean_curve(runs, "test_acc")
+        personal = [r for r in (last_row(rows, "personal_acc") for rows in runs) if r is not None]
         if personal:
-            entry["personal_acc_mean"] = mean_std([r["personal_acc"] for r in personal])[0]
+            entry["personal_acc_mean"], entry["personal_acc_seed_std"] = mean_std([r["personal_acc"] for r in personal])
             entry["personal_acc_client_std"] = mean_std([r["personal_acc_std"] for r in personal])[0]
-            entry["personal_acc_seed_std"] = mean_std([r["personal_acc"] for r in personal])[1]
-        if target is not None and finals:
-            reached = [rounds_to_reach(rows, target) for rows in runs]
-            entry["rounds_to_target"] = reached
+        if target is not None and finals[method]:
+            entry["rounds_to_target"] = [rounds_to_reach(rows, target) for rows in runs]
         per_method[method] = entry
     return {"suite": suite.name, "target": target, "methods": per_method}
 
 
-def _target(suite: Suite, histories: Mapping[str, list[list[dict]]]) -> float | None:
+def _target(suite: Suite, finals: Mapping[str, list[float]]) -> float | None:
+    """The suite's target accuracy: a number, or the mean final accuracy of a method."""
     if "accuracy" in suite.target:
         return float(suite.target["accuracy"])
     ref = suite.target.get("from")
-    if ref and histories.get(ref):
-        finals = [_last(rows, "test_acc") for rows in histories[ref]]
-        finals = [f for f in finals if f is not None]
-        return mean_std(finals)[0] if finals else None
-    return None
-
-
-def _last(rows: list[dict], key: str) -> float | None:
-    row = _last_row(rows, key)
-    return None if row is None else row[key]
-
-
-def _last_row(rows: list[dict], key: str) -> dict | None:
-    hits = [r for r in rows if r.get(key) is not None]
-    return hits[-1] if hits else None
+    return mean_std(finals[ref])[0] if ref and finals.get(ref) else None
 
 
 def _mean_curve(runs: list[list[dict]], key: str) -> list[tuple[int, float]]:
