@@ -240,8 +240,8 @@ class Simulation:
             check_reply(reply, t)
             replies.append(reply)
             entry = {"algorithm": state, "optimizer": result.opt_state if cfg.persist_optimizer_state else None}
-            if cfg.eval_personal and "model" in result.params:
-                entry["local"] = model_state(result)  # the client's local model, for evaluation
+            if cfg.eval_personal and "model" in result.params and algo.personal_state(state, self.server) is None:
+                entry["local"] = model_state(result)  # evaluated when the algorithm keeps no personal model
             self.store.put(job.cid, entry)
             if "loss" in result.stats:
                 loss_sum += float(result.stats["loss"])
