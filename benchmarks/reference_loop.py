@@ -20,6 +20,7 @@ from torch.nn import functional as F
 
 MEAN = torch.tensor([125.3, 123.0, 113.9]).view(3, 1, 1) / 255.0
 STD = torch.tensor([63.0, 62.1, 66.7]).view(3, 1, 1) / 255.0
+_COS = nn.CosineSimilarity(dim=-1)
 
 
 class SimpleCNNHeader(nn.Module):
@@ -86,51 +87,79 @@ class CIFAR10Truncated(torch.utils.data.Dataset):
         return len(self.data)
 
 
+def local_step(algorithm: str, net, global_net, prev_nets, optimizer, x, target, mu=5.0, temperature=0.5) -> None:
+    """One optimiser step of ``train_net`` (FedAvg) or ``train_net_fedcon`` (MOON)."""
+    optimizer.zero_grad()
+    _, pro1, out = net(x)
+    if algorithm == "moon":
+        _, pro2, _ = global_net(x)
+        logits = _COS(pro1, pro2).reshape(-1, 1)
+        for previous_net in prev_nets:
+            _, pro3, _ = previous_net(x)
+            logits = torch.cat((logits, _COS(pro1, pro3).reshape(-1, 1)), dim=1)
+        logits /= temperature
+        labels = torch.zeros(x.size(0)).long()
+        loss = F.cross_entropy(out, target) + mu * F.cross_entropy(logits, labels)
+    else:
+        loss = F.cross_entropy(out, target)
+    loss.backward()
+    optimizer.step()
+
+
+def frozen_copy(state: dict) -> ModelFedCon:
+    """A ``ModelFedCon`` holding ``state`` in eval mode without gradients (MOON's global
+    and previous models)."""
+    net = ModelFedCon()
+    net.load_state_dict(state)
+    net.eval()
+    for p in net.parameters():
+        p.requires_grad = False
+    return net
+
+
+def client_optimizer(net: nn.Module, lr: float = 0.01) -> torch.optim.SGD:
+    """MOON's client optimiser (``args.optimizer == 'sgd'``)."""
+    return torch.optim.SGD(filter(lambda p: p.requires_grad, net.parameters()), lr=lr,
+                           momentum=0.9, weight_decay=1e-5)
+
+
 def train_clients(algorithm: str, images_hwc, labels, parts, epochs, global_state, prev_states,
                   lr=0.01, mu=5.0, temperature=0.5, batch_size=64) -> int:
     """Train every party in ``parts`` (lists of rows) one after another; returns the
     number of samples processed in local steps."""
-    global_net = ModelFedCon()
-    global_net.load_state_dict(global_state)
-    global_net.eval()
-    for p in global_net.parameters():
-        p.requires_grad = False
+    global_net = frozen_copy(global_state)
     processed = 0
     for cid, rows in enumerate(parts):
         net = ModelFedCon()
         net.load_state_dict(global_state)
-        prev_nets = []
-        if algorithm == "moon":
-            prev = ModelFedCon()
-            prev.load_state_dict(prev_states[cid])
-            prev.eval()
-            for p in prev.parameters():
-                p.requires_grad = False
-            prev_nets.append(prev)
+        prev_nets = [frozen_copy(prev_states[cid])] if algorithm == "moon" else []
         loader = torch.utils.data.DataLoader(CIFAR10Truncated(images_hwc[rows], labels[rows]),
                                              batch_size=batch_size, shuffle=True, drop_last=True)
-        optimizer = torch.optim.SGD(filter(lambda p: p.requires_grad, net.parameters()), lr=lr,
-                                    momentum=0.9, weight_decay=1e-5)
-        criterion = nn.CrossEntropyLoss()
-        cos = nn.CosineSimilarity(dim=-1)
+        optimizer = client_optimizer(net, lr)
         net.train()
         for _ in range(epochs):
             for x, target in loader:
-                optimizer.zero_grad()
-                target = target.long()
-                _, pro1, out = net(x)
-                if algorithm == "moon":
-                    _, pro2, _ = global_net(x)
-                    logits = cos(pro1, pro2).reshape(-1, 1)
-                    for previous_net in prev_nets:
-                        _, pro3, _ = previous_net(x)
-                        logits = torch.cat((logits, cos(pro1, pro3).reshape(-1, 1)), dim=1)
-                    logits /= temperature
-                    labels_con = torch.zeros(x.size(0)).long()
-                    loss = criterion(out, target) + mu * criterion(logits, labels_con)
-                else:
-                    loss = criterion(out, target)
-                loss.backward()
-                optimizer.step()
+                local_step(algorithm, net, global_net, prev_nets, optimizer, x, target.long(), mu, temperature)
                 processed += len(x)
     return processed
+
+
+def arithmetic_only(algorithm: str, steps: int, global_state, prev_state, batch_size=64) -> int:
+    """``steps`` of the reference's local steps on one fixed, already-normalised batch:
+    its model and loss with no data pipeline (no loading, augmentation or collation)."""
+    x, target = fixed_batch(batch_size)
+    global_net = frozen_copy(global_state)
+    prev_nets = [frozen_copy(prev_state)] if algorithm == "moon" else []
+    net = ModelFedCon()
+    net.load_state_dict(global_state)
+    optimizer = client_optimizer(net)
+    net.train()
+    for _ in range(steps):
+        local_step(algorithm, net, global_net, prev_nets, optimizer, x, target)
+    return steps * batch_size
+
+
+def fixed_batch(batch_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """A seeded CIFAR-shaped batch of normalised images and labels."""
+    generator = torch.Generator().manual_seed(0)
+    return torch.randn(batch_size, 3, 32, 32, generator=generator), torch.randint(0, 10, (batch_size,), generator=generator)

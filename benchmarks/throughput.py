@@ -5,8 +5,15 @@ data (IID split, so every configuration processes the same samples), this measur
 
   (a) reference: a reference-style loop as in MOON's official code (per-sample
       transforms in a DataLoader, one client after another; see reference_loop.py),
-  (b) sequential: contrafl's sequential executor,
-  (c) vectorized: contrafl's vectorized executor (all clients of a chunk in one vmap),
+  (b) reference-arith: the reference's local steps (its model and loss) on one fixed
+      batch, with no data pipeline, in one single-threaded process per core,
+  (c) arith: the same with contrafl's model (MOON's CNN with contrafl's max-pooling)
+      and MOON's loss under plain autograd and torch.optim.SGD: the arithmetic of local
+      training with no data pipeline and no engine, i.e. the ceiling for any executor
+      that computes the same model with PyTorch's CPU kernels,
+  (d) sequential: contrafl's sequential executor,
+  (e) parallel: contrafl's sequential executor in one worker process per core,
+  (f) vectorized: contrafl's vectorized executor (all clients of a chunk in one vmap),
 
 and prints each figure and its ratio to (a) measured in the same run, plus the peak
 memory of each measurement (every measurement runs in a fresh process). The time covers
@@ -20,6 +27,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing as mp
+import os
+import resource
 import sys
 import time
 from pathlib import Path
@@ -36,7 +46,17 @@ def measure(p: dict) -> dict:
     torch.manual_seed(0)
     data_dir, _ = cifar_dir(p["rows"])
     algo, n, mode, epochs = p["algorithm"], p["clients"], p["mode"], p["epochs"]
-    if mode == "reference":
+    if mode in ("reference-arith", "arith"):
+        import reference_loop as ref
+
+        # as many steps as the reference takes (its parties drop their last incomplete batch)
+        steps = epochs * sum(len(part) // 64 for part in np.array_split(np.arange(p["rows"]), n))
+        work = reference_arith(algo) if mode == "reference-arith" else contrafl_arith(algo)
+        work(1)  # warm-up (oneDNN kernel generation, ~1 s in a fresh process), inherited by the forks
+        seconds = in_processes(work, steps)
+        processed = steps * 64
+        peak = max(peak_rss_mb(), resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024)
+    elif mode == "reference":
         import reference_loop as ref
         from contrafl.data.registry import DATASETS, LoadRequest
 
@@ -46,6 +66,7 @@ def measure(p: dict) -> dict:
         parts = np.array_split(np.random.default_rng(0).permutation(len(labels)), n)
         global_state = ref.ModelFedCon().state_dict()
         prev = [ref.ModelFedCon().state_dict() for _ in range(n)]
+        ref.arithmetic_only(algo, 1, global_state, prev[0])  # warm-up, as the other modes have
         start = time.perf_counter()
         processed = ref.train_clients(algo, images, labels, parts, epochs, global_state, prev)
         seconds = time.perf_counter() - start
@@ -72,10 +93,75 @@ def measure(p: dict) -> dict:
             torch.cuda.synchronize()
         seconds = time.perf_counter() - start
         processed = row["local_steps"] * 64
-    out = {"samples": processed, "seconds": seconds, "samples_per_s": processed / seconds, "peak_rss_mb": peak_rss_mb()}
+    if mode not in ("reference-arith", "arith"):
+        peak = peak_rss_mb()
+    out = {"samples": processed, "seconds": seconds, "samples_per_s": processed / seconds, "peak_rss_mb": peak}
     if torch.cuda.is_available():
         out["peak_gpu_mb"] = torch.cuda.max_memory_allocated() / 2**20
     return out
+
+
+def reference_arith(algo: str):
+    """``work(k)``: k local steps of the reference loop's model and loss on a fixed batch."""
+    import reference_loop as ref
+
+    global_state, prev_state = ref.ModelFedCon().state_dict(), ref.ModelFedCon().state_dict()
+    return lambda k: ref.arithmetic_only(algo, k, global_state, prev_state)
+
+
+def contrafl_arith(algo: str):
+    """``work(k)``: k local steps of contrafl's MOON CNN with FedAvg's or MOON's loss
+    (mu=5, temperature 0.5, one previous model), plain autograd and ``torch.optim.SGD``
+    (MOON's lr 0.01, momentum 0.9, weight decay 1e-5) on a fixed batch."""
+    import reference_loop as ref
+    from torch.nn import functional as F
+
+    from contrafl.algorithms.moon import model_contrastive_loss
+    from contrafl.models.registry import build_model
+
+    def build(frozen: bool):
+        model = build_model("moon_cnn", (3, 32, 32), 10).train(not frozen)
+        return model.requires_grad_(not frozen)
+
+    def work(k: int) -> None:
+        x, y = ref.fixed_batch()
+        net, global_net, prev_net = build(False), build(True), build(True)
+        optimizer = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9, weight_decay=1e-5)
+        for _ in range(k):
+            out = net(x)
+            loss = F.cross_entropy(out.logits, y)
+            if algo == "moon":
+                with torch.no_grad():
+                    z_glob, z_prev = global_net(x).z, prev_net(x).z
+                loss = loss + 5.0 * model_contrastive_loss(out.z, z_glob, [z_prev], 0.5)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+
+    return work
+
+
+def in_processes(work, steps: int) -> float:
+    """Seconds to run ``work(k)`` in one forked single-threaded process per core, the
+    ``steps`` split evenly between them."""
+    cores = os.cpu_count() or 1
+    shares = [steps // cores + (i < steps % cores) for i in range(cores)]
+
+    def child(k: int) -> None:
+        torch.set_num_threads(1)
+        work(k)
+
+    ctx = mp.get_context("fork")
+    procs = [ctx.Process(target=child, args=(k,)) for k in shares if k]
+    start = time.perf_counter()
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join()
+    seconds = time.perf_counter() - start
+    if any(proc.exitcode for proc in procs):
+        raise RuntimeError("an arithmetic-only worker failed")
+    return seconds
 
 
 def main() -> None:
@@ -83,7 +169,7 @@ def main() -> None:
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--algorithms", default="fedavg,moon")
     parser.add_argument("--clients", default="10,50,100")
-    parser.add_argument("--modes", default="reference,sequential,parallel,vectorized")
+    parser.add_argument("--modes", default="reference,reference-arith,arith,sequential,parallel,vectorized")
     parser.add_argument("--epochs", type=int, default=1, help="local epochs per client")
     parser.add_argument("--rows", type=int, default=20000, help="synthetic CIFAR-shaped training images shared by the clients")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
@@ -95,7 +181,7 @@ def main() -> None:
     _, data = cifar_dir(args.rows)
     print(f"machine: {machine()}")
     print(f"data: {data}; {args.epochs} local epoch(s), batch 64, MOON's simple CNN")
-    print(f"{'algorithm':<9} {'clients':>7} {'mode':<11} {'samples/s':>10} {'vs ref':>7} {'seconds':>8} {'peak RSS MB':>11}")
+    print(f"{'algorithm':<9} {'clients':>7} {'mode':<15} {'samples/s':>10} {'vs ref':>7} {'seconds':>8} {'peak RSS MB':>11}")
     results = []
     for algo in args.algorithms.split(","):
         for n in [int(c) for c in args.clients.split(",")]:
@@ -108,7 +194,7 @@ def main() -> None:
                     base = r["samples_per_s"]
                 ratio = f"{r['samples_per_s'] / base:.2f}x" if base else "-"
                 gpu = f" (GPU {r['peak_gpu_mb']:.0f} MB)" if "peak_gpu_mb" in r else ""
-                print(f"{algo:<9} {n:>7} {mode:<11} {r['samples_per_s']:>10.0f} {ratio:>7} {r['seconds']:>8.2f} {r['peak_rss_mb']:>11.0f}{gpu}", flush=True)
+                print(f"{algo:<9} {n:>7} {mode:<15} {r['samples_per_s']:>10.0f} {ratio:>7} {r['seconds']:>8.2f} {r['peak_rss_mb']:>11.0f}{gpu}", flush=True)
                 results.append({**p, **r, "ratio_vs_reference": r["samples_per_s"] / base if base else None})
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")

@@ -11,8 +11,9 @@ import pytest
 import torch
 from torch import nn
 from torch.nn import functional as F
+from torch.utils import _pytree as pytree
 
-from contrafl.algorithms.base import LocalTask, Stage
+from contrafl.algorithms.base import LocalTask, Stage, TrainResult
 from contrafl.data.augment import eval_transform
 from contrafl.engine.executor import FunctionalNet, Job, SequentialExecutor, Workload
 from contrafl.engine.optim import SGD, Adam
@@ -224,19 +225,48 @@ def test_parallel_executor_reports_worker_failures():
         ex.train(jobs)
 
 
-def test_auto_executor_follows_device_and_workload(monkeypatch):
+def test_auto_executor_follows_device_and_clients_per_round(monkeypatch):
     from types import SimpleNamespace
 
     from contrafl.config import build_config
     from contrafl.engine import simulation
 
     algo = SimpleNamespace(name="fedavg", vectorizable=True)
-    cfg = build_config({"num_clients": 10, "local_epochs": 1, "batch_size": 10})
+    many = build_config({"num_clients": 10})
+    one = build_config({"num_clients": 10, "sample_fraction": 0.1})  # one client a round
     monkeypatch.setattr(simulation, "cpu_cores", lambda: 2)
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    big, small = [200] * 10, [30] * 10  # 20 and 3 steps per client and round
-    assert simulation.choose_executor(cfg, algo, cpu, big) == "parallel"
-    assert simulation.choose_executor(cfg, algo, cpu, small) == "sequential"
-    assert simulation.choose_executor(cfg, algo, cuda, small) == "vectorized"
+    assert simulation.choose_executor(many, algo, cpu) == "parallel"
+    assert simulation.choose_executor(one, algo, cpu) == "sequential"
+    assert simulation.choose_executor(many, algo, cuda) == "vectorized"
+    assert simulation.choose_executor(many, SimpleNamespace(name="x", vectorizable=False), cuda) == "sequential"
     monkeypatch.setattr(simulation, "cpu_cores", lambda: 1)
-    assert simulation.choose_executor(cfg, algo, cpu, big) == "sequential"
+    assert simulation.choose_executor(many, algo, cpu) == "sequential"
+
+
+def test_worker_results_travel_as_one_buffer_and_come_back_equal():
+    from contrafl.engine.parallel import pack, unpack
+
+    result = TrainResult(
+        params={"model": {"w": torch.randn(3, 5), "b": torch.randn(7), "scalar": torch.tensor(2.5)}},
+        buffers={"model": {"count": torch.tensor(9), "mask": torch.tensor([True, False, True]),
+                           "half": torch.randn(3, dtype=torch.bfloat16), "empty": torch.zeros(0, 4)}},
+        stats={"loss": torch.tensor(1.25)},
+        steps=4,
+        opt_state=[{"momentum": [torch.randn(3, 5)]}],
+    )
+    skeleton, data = pack(result)
+    assert isinstance(data, bytes)
+    assert not any(isinstance(leaf, torch.Tensor) for leaf in pytree.tree_leaves(vars(skeleton)))
+    back = unpack((skeleton, data))
+    assert back.steps == 4
+    flat_in = [result.params, result.buffers, result.stats, result.opt_state]
+    flat_out = [back.params, back.buffers, back.stats, back.opt_state]
+    ins, _ = pytree.tree_flatten(flat_in)
+    outs, _ = pytree.tree_flatten(flat_out)
+    assert len(ins) == len(outs) == 9
+    for a, b in zip(ins, outs):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    filled = [b for b in outs if b.numel()]
+    assert len({b.untyped_storage().data_ptr() for b in filled}) == len(filled)  # none shares a storage
+    assert all(b.untyped_storage().nbytes() == b.numel() * b.element_size() for b in filled)

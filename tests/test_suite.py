@@ -1,9 +1,11 @@
 """Experiment suites: configuration, resumption, tables; every shipped suite is valid."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
+import yaml
 
 from contrafl.cli import main
 from contrafl.engine.setup import check_components
@@ -93,3 +95,17 @@ def test_compare_command(tmp_path, capsys):
 def test_method_directory_names():
     assert _slug("MOON + FedAvgM (mu=5)") == "MOON-FedAvgM-mu-5"
     assert _slug("FedSiam-DA") == "FedSiam-DA"
+
+
+@pytest.mark.parametrize(
+    "names, message",
+    [
+        (["MOON (mu=5)", "MOON mu 5"], "methods 'MOON (mu=5)' and 'MOON mu 5' would share the run directory 'MOON-mu-5'"),
+        (["+ +"], "method name '+ +' has no letters or digits"),
+    ],
+)
+def test_method_names_must_give_distinct_directories(tmp_path, names, message):
+    path = tmp_path / "suite.yaml"
+    path.write_text(yaml.safe_dump({"name": "s", "methods": {n: {"algorithm": "fedavg"} for n in names}}))
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_suite(path)

@@ -7,12 +7,4 @@ returns, how the server aggregates) → ``engine`` (round loop, sampling, client
 executors) → ``eval`` → ``cli``.
 """
 
-import os
-
-# Let idle OpenMP threads sleep instead of spinning: with the default policy, two torch
-# processes sharing a few cores (a simulation next to a test run, or the parallel
-# executor's workers) slow each other down by one to two orders of magnitude. Must be
-# set before torch initialises OpenMP; an explicit setting in the environment wins.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
 __version__ = "0.1.0"

@@ -21,6 +21,7 @@ from ..algorithms.base import Batch, LocalTask, Stage, StateDict, TaskView, Trai
 from ..models.base import FedModel, ModelOutput
 from .optim import Adam, OptState, SGD
 from .plan import ClientPlan
+from .rng import seed_global
 
 
 class FunctionalNet:
@@ -152,7 +153,7 @@ class SequentialExecutor:
         tensors = [[params[r][k] for r, k in ks] for ks in keys]
         states = job.opt_state or [w.optimizer.init(ts) for ts in tensors]
         stats: dict[str, torch.Tensor] = {}
-        torch.manual_seed(job.seed)
+        seed_global(job.seed, w.x.device)
         for step in range(job.plan.steps):
             rows, aug = job.plan.batch(step)
             batch = w.inputs(rows, aug)

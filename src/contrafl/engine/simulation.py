@@ -30,7 +30,7 @@ from .comm import add_bytes, payload_bytes
 from .executor import FunctionalNet, Job, SequentialExecutor, Workload
 from .optim import make_optimizer
 from .parallel import ParallelExecutor
-from .plan import epoch_batch_sizes, make_plan
+from .plan import make_plan
 from .progress import Progress
 from .rng import derive_seed, generator
 from .run_dir import RunDir
@@ -56,21 +56,15 @@ class Context:
         return self._sim.predict(state, self._sim.rows_t[self.cid])
 
 
-PARALLEL_MIN_STEPS = 20
-"""Mean local steps per client and round below which ``auto`` trains clients sequentially
-on a CPU: with a few steps per client, worker processes contend more than they gain
-(docs/performance.md: 100 clients of 3 steps each)."""
-
-
-def choose_executor(cfg: Config, algorithm: Algorithm, device: torch.device, client_sizes: list[int]) -> str:
+def choose_executor(cfg: Config, algorithm: Algorithm, device: torch.device) -> str:
     """The executor for ``executor=auto``.
 
     On CUDA: the vectorized executor for algorithms that support it with equal batch
-    sizes (``drop_last``). On a multi-core CPU, when clients take at least
-    :data:`PARALLEL_MIN_STEPS` local steps a round on average: the parallel executor
-    (batched per-client convolutions are slower than one client at a time on a CPU, and
-    one client's small operations do not use many cores well). Otherwise the sequential
-    executor.
+    sizes (``drop_last``). On a multi-core CPU, when a round trains at least two clients:
+    the parallel executor (batched per-client convolutions are slower than one client at
+    a time on a CPU, and one client's small operations do not use many cores well; it
+    is faster from 3 local steps per client on, docs/performance.md). Otherwise the
+    sequential executor.
     """
     can_vectorize = algorithm.vectorizable and cfg.drop_last
     if cfg.executor == "vectorized" and not can_vectorize:
@@ -82,9 +76,7 @@ def choose_executor(cfg: Config, algorithm: Algorithm, device: torch.device, cli
         return cfg.executor
     if device.type == "cuda":
         return "vectorized" if can_vectorize else "sequential"
-    steps = [cfg.local_epochs * len(epoch_batch_sizes(n, cfg.batch_size, cfg.drop_last)) for n in client_sizes]
-    mean_steps = sum(steps) / max(len(steps), 1)
-    if cpu_cores() > 1 and cfg.num_clients * cfg.sample_fraction >= 2 and mean_steps >= PARALLEL_MIN_STEPS:
+    if cpu_cores() > 1 and cfg.num_clients * cfg.sample_fraction >= 2:
         return "parallel"
     return "sequential"
 
@@ -146,7 +138,7 @@ class Simulation:
         spill = run_dir.spill_dir if run_dir is not None else Path(tempfile.gettempdir()) / f"contrafl-{os.getpid()}-{id(self)}"
         self.store = ClientStore(cfg.client_memory_gb * 2**30, spill)
         self.optimizer = make_optimizer(cfg.optimizer, cfg.lr, cfg.momentum, cfg.weight_decay)
-        self.executor_name = choose_executor(cfg, self.algorithm, self.device, [len(r) for r in self.rows])
+        self.executor_name = choose_executor(cfg, self.algorithm, self.device)
         self.schedule = sample_schedule(cfg.num_clients, cfg.sample_fraction, cfg.rounds, cfg.seed)
         self.history: list[dict[str, Any]] = []
         self.comm_total = {"down": {}, "up": {}}

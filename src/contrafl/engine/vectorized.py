@@ -31,6 +31,7 @@ from ..algorithms.base import Batch, Stage, TaskView, TrainResult
 from .client_store import state_bytes
 from .executor import Job, SequentialExecutor, Workload, stage_keys
 from .plan import ClientPlan
+from .rng import seed_global
 
 
 def stack_trees(trees: list[Any], force: bool = False) -> tuple[Any, Any]:
@@ -181,7 +182,7 @@ class VectorizedExecutor:
                     dst[k][i, : job.plan.steps] = v[:n].view((job.plan.steps, B) + v.shape[1:])
 
         totals: dict[str, torch.Tensor] = {}
-        torch.manual_seed(jobs[0].seed)
+        seed_global(jobs[0].seed, w.x.device)
         for s in range(S):
             a = sum(1 for n in steps if n > s)
             r = rows[:a, s]

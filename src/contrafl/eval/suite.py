@@ -71,11 +71,22 @@ def load_suite(path: Path) -> Suite:
     unknown = set(data) - {"name", "description", "base", "methods", "seeds", "paper", "paper_rounds", "target"}
     if unknown:
         raise ConfigError(f"{path}: unknown key '{sorted(unknown)[0]}' in the experiment file")
+    methods = {str(k): (v or {}) for k, v in data["methods"].items()}
+    seen: dict[str, str] = {}
+    for method in methods:
+        if not _slug(method):
+            raise ConfigError(f"{path}: method name '{method}' has no letters or digits; name it, e.g. 'MOON'")
+        other = seen.setdefault(_slug(method), method)
+        if other != method:
+            raise ConfigError(
+                f"{path}: methods '{other}' and '{method}' would share the run directory "
+                f"'{_slug(method)}'; rename one so that they differ in letters or digits"
+            )
     return Suite(
         name=data["name"],
         description=data.get("description", ""),
         base=data.get("base") or {},
-        methods={k: (v or {}) for k, v in data["methods"].items()},
+        methods=methods,
         seeds=[int(s) for s in data.get("seeds", [0])],
         paper=data.get("paper") or {},
         paper_rounds=data.get("paper_rounds") or {},
