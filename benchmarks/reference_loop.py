@@ -145,21 +145,27 @@ def train_clients(algorithm: str, images_hwc, labels, parts, epochs, global_stat
 
 
 def arithmetic_only(algorithm: str, steps: int, global_state, prev_state, batch_size=64) -> int:
-    """``steps`` of the reference's local steps on one fixed, already-normalised batch:
-    its model and loss with no data pipeline (no loading, augmentation or collation)."""
-    x, target = fixed_batch(batch_size)
+    """``steps`` of the reference's local steps on batches already in memory (normalised
+    images, cycled through :func:`batch_pool`): its model and loss with no data pipeline
+    (no loading, augmentation or collation)."""
+    pool = batch_pool(batch_size)
     global_net = frozen_copy(global_state)
     prev_nets = [frozen_copy(prev_state)] if algorithm == "moon" else []
     net = ModelFedCon()
     net.load_state_dict(global_state)
     optimizer = client_optimizer(net)
     net.train()
-    for _ in range(steps):
+    for step in range(steps):
+        x, target = pool[step % len(pool)]
         local_step(algorithm, net, global_net, prev_nets, optimizer, x, target)
     return steps * batch_size
 
 
-def fixed_batch(batch_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
-    """A seeded CIFAR-shaped batch of normalised images and labels."""
+def batch_pool(batch_size: int = 64, batches: int = 32) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Seeded CIFAR-shaped batches of normalised images and random labels, about one
+    epoch of a client of 2,000 images. (Training on one batch over and over is no
+    stand-in: the model memorises it, and the shrinking gradients reach subnormal floats,
+    which slow the CPU down.)"""
     generator = torch.Generator().manual_seed(0)
-    return torch.randn(batch_size, 3, 32, 32, generator=generator), torch.randint(0, 10, (batch_size,), generator=generator)
+    return [(torch.randn(batch_size, 3, 32, 32, generator=generator), torch.randint(0, 10, (batch_size,), generator=generator))
+            for _ in range(batches)]

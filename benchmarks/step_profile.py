@@ -1,10 +1,10 @@
 """Where the time of one local step goes: torch.profiler over contrafl's MOON CNN.
 
-Runs the local steps of the ``arith`` mode of ``throughput.py`` (contrafl's model and
-FedAvg's or MOON's loss on a fixed batch of 64, plain autograd, ``torch.optim.SGD``) in
-one thread and prints the milliseconds per step and the share of the step spent in each
-group of PyTorch kernels. It shows how much of a step is convolution arithmetic, which no
-executor can remove.
+Runs the local steps of the ``torch-loop`` mode of ``throughput.py`` (contrafl's model
+and FedAvg's or MOON's loss in a plain PyTorch loop over batches of 64 already in
+memory) in one thread and prints the milliseconds per step and the share of the step
+spent in each group of PyTorch kernels: how much of a step is convolution arithmetic,
+which no executor can remove.
 
     python benchmarks/step_profile.py
     python benchmarks/step_profile.py --algorithm fedavg --steps 100
@@ -23,7 +23,7 @@ import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from _common import machine  # noqa: E402
-from throughput import contrafl_arith  # noqa: E402
+from throughput import torch_loop  # noqa: E402
 
 GROUPS = {  # kernel name -> group (anything else is "other")
     "aten::mkldnn_convolution": "convolution forward",
@@ -41,7 +41,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200, help="profiled steps (after 20 warm-up steps)")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    work = contrafl_arith(args.algorithm)
+    work = torch_loop(args.algorithm)
     work(20)
     start = time.perf_counter()
     work(args.steps)
