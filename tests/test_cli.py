@@ -83,3 +83,21 @@ def test_report_rounds_to_target(tmp_path, capsys):
     lines = out.strip().splitlines()
     assert lines[0].split()[:2] == ["run", "algorithm"] and "rounds to" in lines[0]
     assert 1 <= int(lines[1].split()[-1]) <= 3  # FedAvg reaches its own final accuracy by its last round
+
+
+@pytest.mark.parametrize(
+    "text, seeds",
+    [("3", [0, 1, 2]), ("0,5,7", [0, 5, 7]), ("4,", [4]), ("1, 2", [1, 2])],
+)
+def test_seeds_option(text, seeds):
+    from contrafl.cli import _seeds
+
+    assert _seeds(text) == seeds
+
+
+@pytest.mark.parametrize("text", ["0", "-1,2", "1,1", "x", ","])
+def test_bad_seeds_are_one_line_errors(text, capsys):
+    suite = Path(__file__).resolve().parents[1] / "experiments" / "reduced" / "cifar10_subset.yaml"
+    assert main(["experiment", str(suite), f"--seeds={text}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"--seeds {text!r}" in err[0] and "one seed: 4," in err[0]

@@ -231,13 +231,17 @@ def cmd_compare(ns: argparse.Namespace) -> int:
 
 
 def _seeds(text: str) -> list[int]:
-    """``"3"`` -> [0, 1, 2]; ``"0,5,7"`` -> [0, 5, 7]."""
+    """``"3"`` -> [0, 1, 2]; ``"0,5,7"`` -> [0, 5, 7]; ``"4,"`` -> [4]."""
+    usage = "expected a count (3) or a list of distinct seeds >= 0 (0,1,2; one seed: 4,)"
     try:
-        if "," in text:
-            return [int(s) for s in text.split(",")]
-        return list(range(int(text)))
+        seeds = [int(s) for s in text.split(",") if s.strip()] if "," in text else list(range(int(text)))
     except ValueError:
-        raise ContraflError(f"--seeds {text!r} is invalid: expected a count (3) or a list (0,1,2)") from None
+        raise ContraflError(f"--seeds {text!r} is invalid: {usage}") from None
+    if not seeds:
+        raise ContraflError(f"--seeds {text!r} runs no seed: {usage}")
+    if min(seeds) < 0 or len(set(seeds)) != len(seeds):
+        raise ContraflError(f"--seeds {text!r} is invalid: {usage}")
+    return seeds
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -319,7 +323,7 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("file", help="experiment YAML file")
     exp.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="settings applied to every run")
     exp.add_argument("--out", metavar="DIR", help="output directory (default: runs/experiments/<file name>)")
-    exp.add_argument("--seeds", help="number of seeds (3) or list (0,1,2); default: the file's")
+    exp.add_argument("--seeds", help="number of seeds (3) or list (0,1,2; one seed: 4,); default: the file's")
     exp.add_argument("--methods", help="comma-separated subset of the file's methods")
     exp.set_defaults(func=cmd_experiment)
 
@@ -337,7 +341,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=fmt,
     )
     cmp_.add_argument("args", nargs="+", metavar="ALGORITHM|KEY=VALUE")
-    cmp_.add_argument("--seeds", default="1", help="number of seeds (default 1) or list (0,1,2)")
+    cmp_.add_argument("--seeds", default="1", help="number of seeds (default 1) or list (0,1,2; one seed: 4,)")
     cmp_.add_argument("--out", metavar="DIR", help="output directory (default: runs/compare-<algorithms>)")
     cmp_.set_defaults(func=cmd_compare)
 
