@@ -52,8 +52,13 @@ def cifar_dir(rows: int | None) -> tuple[Path, str]:
     return fake_cifar10(rows), f"synthetic CIFAR-10-shaped data ({rows} images)"
 
 
-def peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+def peak_rss_mb(children: bool = False) -> float:
+    """Peak resident memory of this process, or of it and its finished child processes
+    (whichever was larger), in MiB."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    if children:
+        peak = max(peak, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
+    return peak / 1024
 
 
 def run_isolated(script: Path, payload: dict) -> dict:

@@ -29,7 +29,6 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import resource
 import sys
 import time
 from pathlib import Path
@@ -42,20 +41,20 @@ import torch  # noqa: E402
 from _common import cifar_dir, machine, peak_rss_mb, run_isolated  # noqa: E402
 
 
+IN_MEMORY = ("reference-arith", "torch-loop")  # modes that train in forked processes on batches in memory
+
+
 def measure(p: dict) -> dict:
     torch.manual_seed(0)
     data_dir, _ = cifar_dir(p["rows"])
     algo, n, mode, epochs = p["algorithm"], p["clients"], p["mode"], p["epochs"]
-    if mode in ("reference-arith", "torch-loop"):
-        import reference_loop as ref
-
+    if mode in IN_MEMORY:
         # as many steps as the reference takes (its parties drop their last incomplete batch)
         steps = epochs * sum(len(part) // 64 for part in np.array_split(np.arange(p["rows"]), n))
         work = reference_arith(algo) if mode == "reference-arith" else torch_loop(algo)
         work(1)  # warm-up (oneDNN kernel generation, ~1 s in a fresh process), inherited by the forks
         seconds = in_processes(work, steps)
         processed = steps * 64
-        peak = max(peak_rss_mb(), resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024)
     elif mode == "reference":
         import reference_loop as ref
         from contrafl.data.registry import DATASETS, LoadRequest
@@ -93,9 +92,8 @@ def measure(p: dict) -> dict:
             torch.cuda.synchronize()
         seconds = time.perf_counter() - start
         processed = row["local_steps"] * 64
-    if mode not in ("reference-arith", "torch-loop"):
-        peak = peak_rss_mb()
-    out = {"samples": processed, "seconds": seconds, "samples_per_s": processed / seconds, "peak_rss_mb": peak}
+    out = {"samples": processed, "seconds": seconds, "samples_per_s": processed / seconds,
+           "peak_rss_mb": peak_rss_mb(children=mode in IN_MEMORY)}
     if torch.cuda.is_available():
         out["peak_gpu_mb"] = torch.cuda.max_memory_allocated() / 2**20
     return out

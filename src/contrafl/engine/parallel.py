@@ -15,6 +15,7 @@ import math
 import traceback
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.multiprocessing as mp
@@ -35,7 +36,7 @@ def balance(steps: list[int], workers: int) -> list[list[int]]:
     return [sorted(s) for s in shares if s]
 
 
-def _worker(workload: Workload, jobs: list[Job], share: list[int], threads: int, queue, received) -> None:
+def _worker(workload: Workload, jobs: list[Job], share: list[int], threads: int, queue) -> None:
     try:
         torch.set_num_threads(threads)
         executor = SequentialExecutor(workload)
@@ -43,7 +44,6 @@ def _worker(workload: Workload, jobs: list[Job], share: list[int], threads: int,
             queue.put((i, pack(executor.train([jobs[i]])[0]), None))
     except BaseException:  # reported to the parent, which raises it
         queue.put((None, None, traceback.format_exc()))
-    received.wait()  # keep shared tensors alive until the parent has them
 
 
 class ParallelExecutor:
@@ -61,9 +61,9 @@ class ParallelExecutor:
         if len(shares) <= 1:
             return SequentialExecutor(self.workload).train(jobs)
         ctx = mp.get_context("fork")
-        queue, received = ctx.Queue(), ctx.Event()
+        queue = ctx.Queue()
         procs = [
-            ctx.Process(target=_worker, args=(self.workload, jobs, s, self.threads, queue, received), daemon=True)
+            ctx.Process(target=_worker, args=(self.workload, jobs, s, self.threads, queue), daemon=True)
             for s in shares
         ]
         for p in procs:
@@ -81,7 +81,6 @@ class ParallelExecutor:
                 results[i] = unpack(result)
         finally:
             torch.set_num_threads(threads)
-            received.set()
             for p in procs:
                 p.join(timeout=5)
                 if p.is_alive():
@@ -114,9 +113,8 @@ def pack(result: TrainResult) -> tuple[TrainResult, bytes]:
         offset += raw.numel() + pad
         return ref
 
-    tree = pytree.tree_map_only(torch.Tensor, take, (result.params, result.buffers, result.stats, result.opt_state))
-    data = torch.cat(chunks).numpy().tobytes() if chunks else b""
-    return TrainResult(*tree[:3], steps=result.steps, opt_state=tree[3]), data
+    skeleton = _map_tensors(result, torch.Tensor, take)
+    return skeleton, torch.cat(chunks).numpy().tobytes() if chunks else b""
 
 
 def unpack(packed: tuple[TrainResult, bytes]) -> TrainResult:
@@ -128,8 +126,16 @@ def unpack(packed: tuple[TrainResult, bytes]) -> TrainResult:
         size = math.prod(ref.shape) * ref.dtype.itemsize
         return data[ref.offset : ref.offset + size].view(ref.dtype).view(ref.shape).clone()
 
-    tree = pytree.tree_map_only(Packed, load, (result.params, result.buffers, result.stats, result.opt_state))
-    return TrainResult(*tree[:3], steps=result.steps, opt_state=tree[3])
+    return _map_tensors(result, Packed, load)
+
+
+def _map_tensors(result: TrainResult, kind: type, fn: Callable[[Any], Any]) -> TrainResult:
+    """``result`` with ``fn`` applied to every leaf of type ``kind`` of its parameters,
+    buffers, statistics and optimiser state."""
+    params, buffers, stats, opt_state = pytree.tree_map_only(
+        kind, fn, (result.params, result.buffers, result.stats, result.opt_state)
+    )
+    return TrainResult(params, buffers, stats, result.steps, opt_state)
 
 
 @dataclass(frozen=True)
