@@ -57,7 +57,7 @@ def test_sample_schedule():
 
 def test_client_store_spills_to_disk_and_back(tmp_path):
     one = 4 * 1000  # bytes of a 1000-float tensor
-    store = ClientStore(memory_bytes=2.5 * one, spill_dir=tmp_path / "spill")
+    store = ClientStore(memory_bytes=2.5 * one, directory=tmp_path / "spill")
     for cid in range(5):
         store.put(cid, {"w": torch.full((1000,), float(cid))})
     assert store.spilled == 3 and len(list((tmp_path / "spill").iterdir())) == 3
@@ -66,6 +66,37 @@ def test_client_store_spills_to_disk_and_back(tmp_path):
     assert 7 not in store and store.get(7) is None
     store.close()
     assert not (tmp_path / "spill").exists()
+
+
+def test_client_store_checkpoints_survive_later_writes_and_restore(tmp_path):
+    """A committed manifest's files are never overwritten or removed by later spills, so
+    a crash after the checkpoint can always go back to it."""
+    one = 4 * 1000
+    d = tmp_path / "clients"
+    store = ClientStore(memory_bytes=2.5 * one, directory=d, keep=True)
+    for cid in range(4):
+        store.put(cid, {"w": torch.full((1000,), float(cid))})
+    manifest = store.checkpoint()
+    store.commit(manifest)
+    assert sorted(manifest["files"]) == [0, 1, 2, 3]
+    assert {p.name for p in d.iterdir()} == set(manifest["files"].values())
+    # the next round changes every client and spills some: the committed files stay
+    for cid in range(4):
+        store.put(cid, {"w": torch.full((1000,), 10.0 + cid)})
+    assert set(manifest["files"].values()) <= {p.name for p in d.iterdir()}
+    # a crash here; a new store restores the checkpoint's states and removes the rest
+    again = ClientStore(memory_bytes=2.5 * one, directory=d, keep=True)
+    again.restore(manifest)
+    assert [again.get(cid)["w"][0].item() for cid in range(4)] == [0.0, 1.0, 2.0, 3.0]
+    assert {p.name for p in d.iterdir()} == set(manifest["files"].values())
+    # the next checkpoint writes new files and its commit removes the old ones
+    again.put(2, {"w": torch.full((1000,), 42.0)})
+    second = again.checkpoint()
+    again.commit(second)
+    assert second["files"][2] != manifest["files"][2]
+    assert {p.name for p in d.iterdir()} == set(second["files"].values())
+    again.close()
+    assert d.exists()  # kept for the run directory's checkpoint
 
 
 def test_state_bytes_counts_shared_storage_once():

@@ -116,19 +116,37 @@ def test_supervised_sgd_momentum():
     assert vec[0].buffers["model"]["features.1.num_batches_tracked"].item() == 8
 
 
+def _adam_history(opt, params, cid):
+    """A persisted Adam state of a client with ``cid`` earlier steps."""
+    st = opt.init(list(params.values()))
+    st["step"] = [t + cid for t in st["step"]]
+    st["exp_avg_sq"] = [torch.full_like(t, 0.01 * (cid + 1)) for t in st["exp_avg_sq"]]
+    return [st]
+
+
 def test_adam_with_persisted_state():
     model = _model()
     params, _ = _split(model)
     opt = Adam(0.01)
+    seq, vec = _compare([Stage(supervised)], opt, opt_state=lambda cid: _adam_history(opt, params, cid))
+    assert vec[0].opt_state[0]["step"][0].item() == 8 and vec[2].opt_state[0]["step"][0].item() == 2
 
-    def state(cid):
-        st = opt.init(list(params.values()))
-        st["step"] += cid  # clients with different histories
-        st["exp_avg_sq"] = [torch.full_like(t, 0.01 * (cid + 1)) for t in st["exp_avg_sq"]]
-        return [st]
 
+@pytest.mark.parametrize("returning", [(1, 2), (0,), (3,)])
+def test_adam_state_of_returning_and_new_clients(returning):
+    """Clients with persisted optimiser state keep it, new clients start fresh, whichever
+    sorts first in the stack (client 0 trains longest and sorts first). A large eps keeps
+    Adam from magnifying float noise in the conv bias before BatchNorm (gradient ~0)."""
+    model = _model()
+    params, _ = _split(model)
+    opt = Adam(0.01, eps=1e-3)
+    state = lambda cid: _adam_history(opt, params, 10 * (cid + 1)) if cid in returning else None  # noqa: E731
     seq, vec = _compare([Stage(supervised)], opt, opt_state=state)
-    assert vec[0].opt_state[0]["step"].item() == 8 and vec[2].opt_state[0]["step"].item() == 2
+    steps = [2 * (n // 16) for n in SIZES]
+    for cid, r in enumerate(vec):
+        expected = steps[cid] + (10 * (cid + 1) if cid in returning else 0)
+        assert r.opt_state[0]["step"][0].item() == expected
+        assert seq[cid].opt_state[0]["step"][0].item() == expected
 
 
 def test_shared_and_per_client_frozen_models_consts_and_post_step():
@@ -229,7 +247,7 @@ def test_auto_executor_follows_device_and_clients_per_round(monkeypatch):
     from types import SimpleNamespace
 
     from contrafl.config import build_config
-    from contrafl.engine import simulation
+    from contrafl.engine import setup as simulation
 
     algo = SimpleNamespace(name="fedavg", vectorizable=True)
     many = build_config({"num_clients": 10})

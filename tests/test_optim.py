@@ -59,10 +59,9 @@ def test_adam_stacked_clients_with_different_histories():
     for gs in grads:
         opt.step(single, gs, s_state)
     stacked = [torch.stack([s, p]) for s, p in zip(single, params0)]
-    st_state = opt.init(stacked, lead=(2,))
-    st_state["exp_avg"] = [torch.stack([a, torch.zeros_like(a)]) for a in s_state["exp_avg"]]
-    st_state["exp_avg_sq"] = [torch.stack([a, torch.zeros_like(a)]) for a in s_state["exp_avg_sq"]]
-    st_state["step"] = torch.tensor([4.0, 0.0])
+    new_state = opt.init([p.clone() for p in params0])
+    st_state = {k: [torch.stack([a, b]) for a, b in zip(s_state[k], new_state[k])] for k in s_state}
+    assert st_state["step"][0].tolist() == [4.0, 0.0]
     fresh = [p.clone() for p in params0]
     f_state = opt.init(fresh)
     for gs in grads:
@@ -72,3 +71,34 @@ def test_adam_stacked_clients_with_different_histories():
     for st, a, b in zip(stacked, single, fresh):
         torch.testing.assert_close(st[0], a, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(st[1], b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "opt_cls,ours,kwargs",
+    [
+        (torch.optim.SGD, SGD, dict(lr=0.1, momentum=0.9, weight_decay=1e-2)),
+        (torch.optim.Adam, Adam, dict(lr=0.05, weight_decay=1e-2)),
+    ],
+)
+def test_parameters_without_gradient_are_skipped_like_torch(opt_cls, ours, kwargs):
+    """A parameter whose gradient is None gets no weight decay, momentum or Adam step
+    (torch.optim skips it); here the second parameter has no gradient at steps 0 and 3."""
+    params0, grads = _data(steps=5, seed=2)
+    missing = {0, 3}
+    ref = [p.clone().requires_grad_() for p in params0]
+    ref_opt = opt_cls(ref, **kwargs)
+    mine = [p.clone() for p in params0]
+    opt = ours(**kwargs)
+    state = opt.init(mine)
+    for step, gs in enumerate(grads):
+        gs = [gs[0], None if step in missing else gs[1]]
+        for p, g in zip(ref, gs):
+            p.grad = None if g is None else g.clone()
+        ref_opt.step()
+        opt.step(mine, gs, state)
+        torch.testing.assert_close(mine[1], ref[1].detach(), rtol=1e-5, atol=1e-6)
+    for a, b in zip(mine, ref):
+        torch.testing.assert_close(a, b.detach(), rtol=1e-5, atol=1e-6)
+    assert not torch.equal(mine[1], params0[1])
+    if ours is Adam:
+        assert [float(t) for t in state["step"]] == [5.0, 3.0]

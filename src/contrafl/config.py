@@ -15,6 +15,8 @@ algorithm (server momentum); the resolved configuration is what a run directory 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,7 +62,7 @@ class Config:
     test_fraction: float = P.param(0.0, P.Interval(0, 1, "left"), "per-client test split (PFLlib uses 0.25); 0 = none")
     sample_fraction: float = P.param(1.0, P.Interval(0, 1, "right"), "fraction of clients sampled per round")
     rounds: int | None = P.param(None, P.Interval(1, None), "communication rounds (auto: the dataset's)")
-    local_epochs: int | None = P.param(None, P.Interval(0, None), "local epochs per round (auto: the dataset's)")
+    local_epochs: int | None = P.param(None, P.Interval(1, None), "local epochs per round (auto: the dataset's)")
     batch_size: int | None = P.param(None, P.Interval(1, None), "local batch size (auto: the dataset's)")
     drop_last: bool = P.param(True, None, "drop each epoch's incomplete last batch (MOON's DataLoader)")
     augment: str = P.param("auto", None, "training augmentation pipeline (auto: the dataset's)")
@@ -80,6 +82,9 @@ class Config:
     eval_personal: bool | None = P.param(None, None, "evaluate every client's own model: its personal model, else its last local model (auto: if the algorithm is personalised)")
     target_accuracy: float | None = P.param(None, P.Interval(0, 1), "report the first round reaching this test accuracy")
     client_memory_gb: float = P.param(4.0, _pos, "memory for client states before spilling to disk")
+    checkpoint_every: int = P.param(1, P.Interval(1, None), "write a resumable checkpoint every this many rounds (and after the last)")
+    on_bad_update: str = P.param("stop", P.OneOf(("stop", "skip")), "a client update that fails validation stops the run, or is left out of the round's aggregate")
+    update_outlier_factor: float = P.param(0.0, _nonneg, "reject an update whose norm is more than this many times the round's median update norm; 0 = off")
     vectorize_memory_gb: float = P.param(2.0, _pos, "memory budget of one vectorized chunk of clients")
 
     def to_dict(self) -> dict[str, Any]:
@@ -94,6 +99,50 @@ class Config:
 
 
 SETTINGS = [f.name for f in dataclasses.fields(Config) if f.name not in COMPONENTS]
+
+# Settings that say where and how a run executes, not what it computes: left out of the
+# fingerprint, and the only ones a resumed run may change. The executor, workers and
+# device change results at float tolerance only (README, "Speed").
+EXECUTION_SETTINGS = (
+    "data_dir",
+    "download",
+    "executor",
+    "workers",
+    "device",
+    "eval_batch_size",
+    "client_memory_gb",
+    "vectorize_memory_gb",
+    "checkpoint_every",
+)
+
+
+def fingerprint(config: Config | Mapping[str, Any]) -> str:
+    """A hash of the settings of a resolved configuration that determine its results
+    (all but :data:`EXECUTION_SETTINGS`): two runs with equal fingerprints compute the
+    same thing."""
+    tree = config.to_dict() if isinstance(config, Config) else dict(config)
+    kept = {k: v for k, v in tree.items() if k not in EXECUTION_SETTINGS}
+    return hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def differences(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
+    """``["algorithm.mu: 1.0 -> 5.0", ...]``: the fingerprinted settings that differ
+    between two configuration dicts (components compared option by option)."""
+
+    def flat(tree: Mapping[str, Any]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for k, v in tree.items():
+            if k in EXECUTION_SETTINGS:
+                continue
+            if isinstance(v, Mapping):
+                out[k] = v.get("name")
+                out.update({f"{k}.{o}": x for o, x in v.items() if o != "name"})
+            else:
+                out[k] = v
+        return out
+
+    a, b = flat(old), flat(new)
+    return [f"{k}: {a.get(k, '(unset)')} -> {b.get(k, '(unset)')}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
 # ``auto`` is accepted for the settings whose default is None or "auto"
 _AUTO = {f.name for f in dataclasses.fields(Config) if f.name in SETTINGS and f.default in (None, "auto")}
 
@@ -117,13 +166,13 @@ def merge(tree: dict[str, Any], updates: Mapping[str, Any], source: str) -> None
         if key in COMPONENTS:
             new = _component(value, key)
             old = tree.get(key)
-            if isinstance(old, Component) and old.name == new.name and isinstance(value, Mapping):
+            if isinstance(old, Component) and P.fold(old.name) == P.fold(new.name) and isinstance(value, Mapping):
                 new = Component(new.name, {**old.options, **new.options})
             tree[key] = new
         elif key in SETTINGS:
             tree[key] = value
         else:
-            raise ConfigError(f"unknown setting '{key}' in {source}{_hint(key)}")
+            raise ConfigError(f"unknown setting {str(key)!r} in {source}{_hint(key)}")
 
 
 def parse_overrides(items: Sequence[str]) -> list[tuple[str, str]]:
@@ -131,8 +180,8 @@ def parse_overrides(items: Sequence[str]) -> list[tuple[str, str]]:
     pairs = []
     for item in items:
         key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"cannot read override '{item}': expected KEY=VALUE, e.g. rounds=20 or algorithm.mu=5")
+        if not sep or not key.strip():
+            raise ConfigError(f"cannot read override {item!r}: expected KEY=VALUE, e.g. rounds=20 or algorithm.mu=5")
         pairs.append((key.strip(), value.strip()))
     return pairs
 
@@ -145,11 +194,16 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
         if not path.is_file():
             raise ConfigError(f"config file not found: {path}; give the path of a YAML file or only KEY=VALUE overrides")
         try:
-            data = yaml.safe_load(path.read_text()) or {}
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"cannot read config file {path} ({exc}); give a readable UTF-8 YAML file") from None
+        try:
+            data = yaml.safe_load(text)
         except yaml.YAMLError as exc:
             mark = getattr(exc, "problem_mark", None)
             where = f" at line {mark.line + 1}" if mark else ""
             raise ConfigError(f"{path} is not valid YAML{where}; fix the syntax") from None
+        data = {} if data is None else data
         if not isinstance(data, Mapping):
             raise ConfigError(f"{path} must contain a mapping of settings, not {type(data).__name__}")
         merge(tree, data, str(path))
@@ -165,20 +219,20 @@ def apply_overrides(tree: dict[str, Any], overrides: Sequence[str]) -> None:
         head, dot, option = key.partition(".")
         if dot:
             if head not in COMPONENTS:
-                raise ConfigError(f"unknown setting '{key}'{P.suggest(head, list(COMPONENTS))}; only {', '.join(COMPONENTS)} have options")
+                raise ConfigError(f"unknown setting {key!r}{P.suggest(head, list(COMPONENTS))}; only {', '.join(COMPONENTS)} have options")
             old = tree.get(head) or getattr(Config(), head)
             tree[head] = Component(old.name, {**old.options, option: value})
         elif key in COMPONENTS:
             old = tree.get(key)
-            keep = old.options if isinstance(old, Component) and old.name == value else {}
+            keep = old.options if isinstance(old, Component) and P.fold(old.name) == P.fold(value) else {}
             tree[key] = Component(value, keep)
         elif key in SETTINGS:
             tree[key] = value
         else:
-            raise ConfigError(f"unknown setting '{key}'{_hint(key)}")
+            raise ConfigError(f"unknown setting {key!r}{_hint(key)}")
 
 
-def _hint(key: str) -> str:
+def _hint(key: Any) -> str:
     close = P.suggest(key, SETTINGS + list(COMPONENTS))
     if close:
         return close

@@ -21,3 +21,8 @@ class DataError(ContraflError):
 
 class ClientUpdateError(ContraflError):
     """A client update that cannot be aggregated (non-finite values, wrong shapes)."""
+
+
+class CheckpointError(ContraflError):
+    """A checkpoint or client-state file that is missing, corrupted, unsafe or belongs to
+    another configuration."""

@@ -183,6 +183,33 @@ class Reply:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class TensorSpec:
+    """The expected shape (``None``: any size on that dimension) and dtype of a tensor."""
+
+    shape: tuple[int | None, ...]
+    dtype: torch.dtype
+
+    def __str__(self) -> str:
+        dims = ", ".join("*" if d is None else str(d) for d in self.shape)
+        return f"{dtype_name(self.dtype)}[{dims}]"
+
+
+def spec_of(tree: Any) -> Any:
+    """The :class:`TensorSpec` tree of the tensors in ``tree`` (exact shapes)."""
+    if isinstance(tree, torch.Tensor):
+        return TensorSpec(tuple(tree.shape), tree.dtype)
+    if isinstance(tree, Mapping):
+        return {k: spec_of(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return [spec_of(v) for v in tree]
+    raise TypeError(f"cannot describe a {type(tree).__name__} as tensors")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 @dataclass
 class ServerState:
     """The server's state: the global model and whatever else the algorithm keeps."""
@@ -202,6 +229,8 @@ class Algorithm:
         personalized: clients keep personal models worth evaluating.
         default_server_momentum: server momentum when ``server_momentum=auto``.
         views: number of augmented views of each sample the loss needs.
+        samples_clients: the round trains the clients sampled by ``sample_fraction``;
+            False trains every client every round (SOLO, which communicates nothing).
     """
 
     name: ClassVar[str] = ""
@@ -213,6 +242,7 @@ class Algorithm:
     personalized: ClassVar[bool] = False
     default_server_momentum: ClassVar[float] = 0.0
     views: ClassVar[int] = 1
+    samples_clients: ClassVar[bool] = True
 
     def __init__(self, params: Any, federation: Federation) -> None:
         self.params = params
@@ -234,6 +264,12 @@ class Algorithm:
 
     def aggregate(self, server: ServerState, replies: list[Reply], round: int) -> ServerState:
         raise NotImplementedError
+
+    def reply_spec(self, message: dict[str, Any]) -> dict[str, Any]:
+        """The structure of a valid reply payload to ``message``, as a tree of
+        :class:`TensorSpec` (checked by :mod:`contrafl.engine.validate` before
+        aggregation): by default the model, shaped like the broadcast one."""
+        return {"model": spec_of(message["model"])}
 
     # -- client ------------------------------------------------------------------------
     def init_client(self, ctx: ClientContext) -> dict[str, Any]:

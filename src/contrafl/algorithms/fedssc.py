@@ -11,7 +11,18 @@ from torch.nn import functional as F
 
 from .. import params as P
 from ..engine.rng import generator
-from .base import Batch, ClientContext, LocalTask, Network, Reply, ServerState, TaskView, TrainResult, model_state
+from .base import (
+    Batch,
+    ClientContext,
+    LocalTask,
+    Network,
+    Reply,
+    ServerState,
+    TaskView,
+    TensorSpec,
+    TrainResult,
+    model_state,
+)
 from .moon import Moon
 from .registry import ALGORITHMS
 
@@ -146,6 +157,13 @@ class FedSSC(Moon):
             mask = server.extras["class_mask"]
             message["class_reps"] = {"reps": server.extras["class_reps"][mask], "mask": mask}
         return message
+
+    def reply_spec(self, message: dict[str, Any]) -> dict[str, Any]:
+        """The model, and the representations of the ``m`` classes in ``mask``:
+        ``reps`` ``[m, d]`` and ``mask`` ``bool[num_classes]``."""
+        dtype = next(v.dtype for v in message["model"].values() if v.is_floating_point())
+        reps = {"reps": TensorSpec((None, None), dtype), "mask": TensorSpec((self.federation.num_classes,), torch.bool)}
+        return {**super().reply_spec(message), "class_reps": reps}
 
     def aggregate(self, server: ServerState, replies: list[Reply], round: int) -> ServerState:
         models = super().aggregate(server, replies, round).model

@@ -22,6 +22,7 @@ from .base import (
     TaskView,
     TrainResult,
     model_state,
+    spec_of,
 )
 from .fedavg import FedAvg, supervised_loss
 from .registry import ALGORITHMS
@@ -91,6 +92,9 @@ class Scaffold(FedAvg):
 
     def broadcast(self, server: ServerState, round: int) -> dict[str, Any]:
         return {"model": server.model, "c": server.extras["c"]}
+
+    def reply_spec(self, message: dict[str, Any]) -> dict[str, Any]:
+        return {**super().reply_spec(message), "delta_c": spec_of(message["c"])}
 
     def aggregate(self, server: ServerState, replies: list[Reply], round: int) -> ServerState:
         model = weighted_average([r.payload["model"] for r in replies], sample_weights(replies))

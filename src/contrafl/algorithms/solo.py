@@ -15,7 +15,9 @@ class Solo(Algorithm):
     """SOLO, the no-federation baseline of MOON's Table 1.
 
     Every client trains its own model (its own random initialisation) on its own data
-    with ``CE(F_w(x), y)``; nothing is communicated and there is no global model. The
+    with ``CE(F_w(x), y)``; nothing is communicated and there is no global model, and
+    every client trains every round whatever ``sample_fraction`` says (MOON's code trains
+    all parties for SOLO). The
     result is the mean and standard deviation of the clients' test accuracies (MOON trains
     300 local epochs: ``rounds=1 local_epochs=300``, or the same in several rounds to
     follow the curve).
@@ -27,6 +29,7 @@ class Solo(Algorithm):
     Params = P.NoOptions
     evaluates_global = False
     personalized = True
+    samples_clients = False
     local_loss = FedAvg.local_loss
 
     def broadcast(self, server: ServerState, round: int) -> dict[str, Any]:
@@ -46,6 +49,9 @@ class Solo(Algorithm):
 
     def aggregate(self, server: ServerState, replies: list[Reply], round: int) -> ServerState:
         return server
+
+    def reply_spec(self, message: dict[str, Any]) -> dict[str, Any]:
+        return {}
 
     def personal_state(self, state: dict[str, Any], server: ServerState) -> StateDict | None:
         return state["model"]

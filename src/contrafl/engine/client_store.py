@@ -1,9 +1,17 @@
-"""Per-client persistent state with a memory budget.
+"""Per-client persistent state with a memory budget and crash-safe checkpoints.
 
 Algorithms keep state on their clients between rounds (MOON's previous local models,
 SCAFFOLD's control variates, personal layers, optimiser state). With 100 clients and a
 ResNet-18 that is several GB per kind of state, so the store keeps the most recently used
-clients in memory up to ``memory_bytes`` and spills the others to ``spill_dir``.
+clients in memory up to ``memory_bytes`` and spills the others to ``directory``.
+
+The same directory holds the client states of the run's checkpoints. Every write creates
+a new file ``client-<cid>-<serial>.pt`` and never overwrites one, so the files named by
+the last committed checkpoint stay intact whatever happens after it (a crash in the
+middle of a round or of the next checkpoint): :meth:`checkpoint` writes the states that
+changed since the last one and returns the manifest that the run's checkpoint file
+records, :meth:`commit` removes the files no manifest needs any more once that file is
+safely on disk, and :meth:`restore` goes back to a manifest.
 """
 
 from __future__ import annotations
@@ -14,6 +22,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from ..errors import CheckpointError
+from .checkpoint import fsync_dir, load_safe, save_atomic
 
 
 def state_bytes(obj: Any, _seen: set[int] | None = None) -> int:
@@ -33,53 +44,110 @@ def state_bytes(obj: Any, _seen: set[int] | None = None) -> int:
 
 
 class ClientStore:
-    """LRU store of client states; states beyond the memory budget live on disk."""
+    """LRU store of client states; states beyond the memory budget live on disk.
 
-    def __init__(self, memory_bytes: float, spill_dir: Path) -> None:
+    Args:
+        memory_bytes: budget for the states kept in memory.
+        directory: where spilled and checkpointed states are written.
+        map_location: device that states loaded from disk are put on.
+        keep: keep the directory on :meth:`close` (a run directory's checkpoint needs it).
+    """
+
+    def __init__(self, memory_bytes: float, directory: Path, map_location: Any = None, keep: bool = False) -> None:
         self.memory_bytes = memory_bytes
-        self.spill_dir = Path(spill_dir)
-        self._memory: OrderedDict[int, tuple[dict[str, Any], int]] = OrderedDict()
-        self._on_disk: set[int] = set()
+        self.directory = Path(directory)
+        self.map_location = map_location
+        self.keep = keep
+        self._memory: OrderedDict[int, tuple[dict[str, Any], int, bool]] = OrderedDict()  # state, bytes, dirty
+        self._files: dict[int, str] = {}  # latest file of each client on disk
+        self._committed: set[str] = set()  # files named by the last committed checkpoint
+        self._serial = 0
         self._used = 0
 
     def __contains__(self, cid: int) -> bool:
-        return cid in self._memory or cid in self._on_disk
+        return cid in self._memory or cid in self._files
 
     def get(self, cid: int) -> dict[str, Any] | None:
         """The state of ``cid``, or ``None`` if it has none yet."""
         if cid in self._memory:
             self._memory.move_to_end(cid)
             return self._memory[cid][0]
-        if cid in self._on_disk:
-            state = torch.load(self._path(cid), weights_only=False)
-            self._on_disk.discard(cid)
-            self._path(cid).unlink()
-            self.put(cid, state)
+        if cid in self._files:
+            state = load_safe(self.directory / self._files[cid], f"client {cid}'s state", self.map_location)
+            self._keep_in_memory(cid, state, dirty=False)
             return state
         return None
 
     def put(self, cid: int, state: dict[str, Any]) -> None:
+        """Set the state of ``cid`` (kept in memory until evicted or checkpointed)."""
+        self._keep_in_memory(cid, state, dirty=True)
+
+    def _keep_in_memory(self, cid: int, state: dict[str, Any], dirty: bool) -> None:
         if cid in self._memory:
             self._used -= self._memory.pop(cid)[1]
         size = state_bytes(state)
-        self._memory[cid] = (state, size)
+        self._memory[cid] = (state, size, dirty)
         self._used += size
         while self._used > self.memory_bytes and len(self._memory) > 1:
-            old, (old_state, old_size) = self._memory.popitem(last=False)
-            self.spill_dir.mkdir(parents=True, exist_ok=True)
-            torch.save(old_state, self._path(old))
-            self._on_disk.add(old)
+            old, (old_state, old_size, old_dirty) = self._memory.popitem(last=False)
+            if old_dirty:
+                self._write(old, old_state)
             self._used -= old_size
+
+    def _write(self, cid: int, state: dict[str, Any]) -> None:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._serial += 1
+        name = f"client-{cid}-{self._serial}.pt"
+        save_atomic(state, self.directory / name)
+        previous = self._files.get(cid)
+        if previous is not None and previous not in self._committed:
+            (self.directory / previous).unlink(missing_ok=True)
+        self._files[cid] = name
+
+    # -- checkpoints ------------------------------------------------------------------
+    def checkpoint(self) -> dict[str, Any]:
+        """Write every state changed since the last checkpoint; the manifest to record."""
+        for cid, (state, size, dirty) in list(self._memory.items()):
+            if dirty:
+                self._write(cid, state)
+                self._memory[cid] = (state, size, False)
+        fsync_dir(self.directory)
+        return {"files": dict(self._files), "serial": self._serial}
+
+    def commit(self, manifest: dict[str, Any]) -> None:
+        """``manifest`` is now the checkpoint on disk: remove the files it does not name."""
+        self._committed = set(manifest["files"].values())
+        self._remove_unused()
+
+    def restore(self, manifest: dict[str, Any]) -> None:
+        """Go back to the states of a committed checkpoint (forgetting memory)."""
+        self._memory.clear()
+        self._used = 0
+        self._files = {int(cid): str(name) for cid, name in manifest["files"].items()}
+        self._serial = int(manifest["serial"])
+        self._committed = set(self._files.values())
+        missing = [n for n in self._committed if not (self.directory / n).is_file()]
+        if missing:
+            raise CheckpointError(
+                f"client state {self.directory / missing[0]} named by the checkpoint is missing; "
+                "the run directory is incomplete and cannot be resumed"
+            )
+        self._remove_unused()
+
+    def _remove_unused(self) -> None:
+        needed = self._committed | set(self._files.values())
+        if self.directory.is_dir():
+            for path in [*self.directory.glob("client-*.pt"), *self.directory.glob(".*.tmp")]:
+                if path.name not in needed:
+                    path.unlink(missing_ok=True)
 
     @property
     def spilled(self) -> int:
-        """Number of client states currently on disk."""
-        return len(self._on_disk)
+        """Number of client states that are on disk only."""
+        return len(set(self._files) - set(self._memory))
 
     def close(self) -> None:
-        """Remove the spill files."""
-        if self.spill_dir.exists():
-            shutil.rmtree(self.spill_dir, ignore_errors=True)
-
-    def _path(self, cid: int) -> Path:
-        return self.spill_dir / f"client-{cid}.pt"
+        """Remove the directory unless it is kept for a checkpoint (states still in
+        memory stay readable)."""
+        if not self.keep and self.directory.exists():
+            shutil.rmtree(self.directory, ignore_errors=True)

@@ -161,8 +161,7 @@ class SequentialExecutor:
                 with w.autocast_context():
                     loss, step_stats = stage.loss(TaskView(params, buffers, frozen, task.consts), batch, w.net)
                 grads = torch.autograd.grad(loss, ts, allow_unused=True)
-                grads = [torch.zeros_like(t) if g is None else g for t, g in zip(ts, grads)]
-                w.optimizer.step(ts, grads, state)
+                w.optimizer.step(ts, list(grads), state)
                 if stage.post_step is not None:
                     with torch.no_grad():
                         delta = stage.post_step(TaskView(params, buffers, frozen, task.consts))
@@ -179,6 +178,30 @@ class SequentialExecutor:
             opt_state=states,
         )
         return result
+
+
+def used_parameters(workload: Workload, job: Job) -> list[list[bool]]:
+    """For each stage, whether each trained parameter gets a gradient from the loss
+    (probed with autograd on the job's first batch; a loss whose structure does not
+    depend on tensor values, as vectorized losses must be, uses the same ones at every
+    step)."""
+    w, task = workload, job.task
+    if not job.plan.steps:
+        return [[True] * len(stage_keys(stage, task)) for stage in w.stages]
+    params = {
+        role: {k: v.detach().clone().requires_grad_(True) for k, v in sd.items()} for role, sd in task.params.items()
+    }
+    buffers = {role: {k: v.clone() for k, v in sd.items()} for role, sd in task.buffers.items()}
+    rows, aug = job.plan.batch(0)
+    batch = w.inputs(rows, aug)
+    seed_global(job.seed, w.x.device)
+    used = []
+    for stage in w.stages:
+        ts = [params[r][k] for r, k in stage_keys(stage, task)]
+        with w.autocast_context():
+            loss, _ = stage.loss(TaskView(params, buffers, dict(task.frozen), task.consts), batch, w.net)
+        used.append([g is not None for g in torch.autograd.grad(loss, ts, allow_unused=True)])
+    return used
 
 
 def accumulate(total: dict[str, torch.Tensor], stats: dict[str, torch.Tensor]) -> None:

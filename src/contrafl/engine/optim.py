@@ -13,6 +13,23 @@ import torch
 OptState = dict[str, list[torch.Tensor] | torch.Tensor]
 
 
+def present(
+    params: list[torch.Tensor], grads: list[torch.Tensor | None], state: OptState
+) -> tuple[list[torch.Tensor], list[torch.Tensor], OptState]:
+    """The parameters that have a gradient, their gradients and their state entries.
+
+    Like ``torch.optim``, a parameter whose gradient is ``None`` (the loss does not
+    depend on it) is skipped: no weight decay, no momentum, no Adam step."""
+    keep = [i for i, g in enumerate(grads) if g is not None]
+    if len(keep) == len(grads):
+        return params, grads, state  # type: ignore[return-value]
+    return (
+        [params[i] for i in keep],
+        [grads[i] for i in keep],  # type: ignore[misc]
+        {k: [v[i] for i in keep] for k, v in state.items()},
+    )
+
+
 class SGD:
     """SGD with momentum and L2 weight decay (``torch.optim.SGD`` with dampening 0)::
 
@@ -24,13 +41,16 @@ class SGD:
     def __init__(self, lr: float, momentum: float = 0.0, weight_decay: float = 0.0) -> None:
         self.lr, self.momentum, self.weight_decay = lr, momentum, weight_decay
 
-    def init(self, params: list[torch.Tensor], lead: tuple[int, ...] = ()) -> OptState:
+    def init(self, params: list[torch.Tensor]) -> OptState:
         if not self.momentum:
             return {}
         return {"momentum": [torch.zeros_like(p) for p in params]}
 
     @torch.no_grad()
-    def step(self, params: list[torch.Tensor], grads: list[torch.Tensor], state: OptState) -> None:
+    def step(self, params: list[torch.Tensor], grads: list[torch.Tensor | None], state: OptState) -> None:
+        params, grads, state = present(params, grads, state)
+        if not params:
+            return
         if self.weight_decay:
             grads = torch._foreach_add(grads, params, alpha=self.weight_decay)
         if self.momentum:
@@ -48,8 +68,10 @@ class Adam:
         m = b1 * m + (1 - b1) * d ;  v = b2 * v + (1 - b2) * d^2 ;  t = t + 1
         w = w - lr * (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps)
 
-    The step count ``t`` is a tensor of shape ``lead`` (one count per client when the
-    parameters are stacked), so clients with different histories share one update.
+    Every parameter has its own step count ``t`` (as in ``torch.optim``, a parameter
+    without a gradient is not stepped), a float tensor shaped like the leading
+    (client) dimensions of the parameters when they are stacked for many clients, so
+    clients with different histories share one update.
     """
 
     def __init__(
@@ -61,29 +83,30 @@ class Adam:
     ) -> None:
         self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
 
-    def init(self, params: list[torch.Tensor], lead: tuple[int, ...] = ()) -> OptState:
-        device = params[0].device if params else None
+    def init(self, params: list[torch.Tensor]) -> OptState:
         return {
             "exp_avg": [torch.zeros_like(p) for p in params],
             "exp_avg_sq": [torch.zeros_like(p) for p in params],
-            "step": torch.zeros(lead, dtype=torch.float32, device=device),
+            "step": [torch.zeros((), dtype=torch.float32, device=p.device) for p in params],
         }
 
     @torch.no_grad()
-    def step(self, params: list[torch.Tensor], grads: list[torch.Tensor], state: OptState) -> None:
+    def step(self, params: list[torch.Tensor], grads: list[torch.Tensor | None], state: OptState) -> None:
+        params, grads, state = present(params, grads, state)
+        if not params:
+            return
         b1, b2 = self.betas
         if self.weight_decay:
             grads = torch._foreach_add(grads, params, alpha=self.weight_decay)
-        m, v = state["exp_avg"], state["exp_avg_sq"]
+        m, v, steps = state["exp_avg"], state["exp_avg_sq"], state["step"]
         torch._foreach_lerp_(m, grads, 1 - b1)
         torch._foreach_mul_(v, b2)
         torch._foreach_addcmul_(v, grads, grads, value=1 - b2)
-        step = state["step"]
-        step += 1
-        bc1 = 1 - b1**step
-        bc2_sqrt = (1 - b2**step).sqrt()
-        for p, mi, vi in zip(params, m, v):
+        torch._foreach_add_(steps, 1)
+        for p, mi, vi, step in zip(params, m, v, steps):
             shape = step.shape + (1,) * (p.dim() - step.dim())
+            bc1 = 1 - b1**step
+            bc2_sqrt = (1 - b2**step).sqrt()
             denom = (vi.sqrt() / bc2_sqrt.reshape(shape)).add_(self.eps)
             p.addcdiv_(mi, denom * bc1.reshape(shape), value=-self.lr)
 

@@ -23,6 +23,7 @@ from torch.utils import _pytree as pytree
 
 from ..algorithms.base import TrainResult
 from .executor import Job, SequentialExecutor, Workload
+from .signals import detach_from_signals
 
 
 def balance(steps: list[int], workers: int) -> list[list[int]]:
@@ -37,6 +38,7 @@ def balance(steps: list[int], workers: int) -> list[list[int]]:
 
 
 def _worker(workload: Workload, jobs: list[Job], share: list[int], threads: int, queue) -> None:
+    detach_from_signals()
     try:
         torch.set_num_threads(threads)
         executor = SequentialExecutor(workload)

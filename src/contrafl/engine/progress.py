@@ -15,13 +15,26 @@ def _clock(seconds: float) -> str:
 class Progress:
     """Prints a bar per round; on a terminal the current round's line updates live."""
 
-    def __init__(self, rounds: int, stream: TextIO | None = None, width: int = 20) -> None:
+    def __init__(self, rounds: int, stream: TextIO | None = None, width: int = 20, prefix: str = "") -> None:
         self.rounds = rounds
         self.stream = stream or sys.stdout
         self.width = width
+        self.prefix = prefix
         self.live = self.stream.isatty()
         self.start = time.perf_counter()
-        self.done = 0
+        self.done = 0  # rounds done by this process
+        self.before = 0  # rounds done before a resume
+
+    def resume_at(self, rounds_done: int) -> None:
+        """The run continues after ``rounds_done`` rounds done earlier."""
+        self.before = rounds_done
+        self.start = time.perf_counter()
+
+    def eta(self) -> float:
+        """Seconds left at this process's pace (0 before the first round)."""
+        if not self.done:
+            return 0.0
+        return (time.perf_counter() - self.start) / self.done * (self.rounds - self.before - self.done)
 
     def _bar(self, fraction: float) -> str:
         full = int(fraction * self.width)
@@ -30,22 +43,28 @@ class Progress:
     def clients(self, round: int, done: int, total: int) -> None:
         """Clients finished within the current round (terminal only)."""
         if self.live:
-            msg = f"\rround {round:>{len(str(self.rounds))}}/{self.rounds} |{self._bar(done / max(total, 1))}| clients {done}/{total}"
+            msg = f"\r{self.prefix}round {round:>{len(str(self.rounds))}}/{self.rounds} |{self._bar(done / max(total, 1))}| clients {done}/{total}"
             self.stream.write(msg.ljust(78))
             self.stream.flush()
 
     def round_done(self, row: dict) -> None:
         self.done += 1
-        elapsed = time.perf_counter() - self.start
-        per_round = elapsed / self.done
-        eta = per_round * (self.rounds - self.done)
-        parts = [f"round {row['round']:>{len(str(self.rounds))}}/{self.rounds}", f"|{self._bar(self.done / self.rounds)}|"]
+        per_round = (time.perf_counter() - self.start) / self.done
+        eta = self.eta()
+        parts = [
+            f"{self.prefix}round {row['round']:>{len(str(self.rounds))}}/{self.rounds}",
+            f"|{self._bar((self.before + self.done) / self.rounds)}|",
+        ]
         if row.get("train_loss") is not None:
             parts.append(f"loss {row['train_loss']:.4f}")
         if row.get("test_acc") is not None:
             parts.append(f"acc {row['test_acc']:.4f}")
         if row.get("personal_acc") is not None:
             parts.append(f"personal {row['personal_acc']:.4f}±{row['personal_acc_std']:.4f}")
-        parts.append(f"{per_round:.1f}s/round ETA {_clock(eta)}")
+        parts.append(f"{per_round:.1f}s/round ETA {_clock(eta)}{self.suffix()}")
         self.stream.write(("\r" if self.live else "") + "  ".join(parts) + "\n")
         self.stream.flush()
+
+    def suffix(self) -> str:
+        """Appended to each round's line (a suite adds its own ETA)."""
+        return ""

@@ -1,4 +1,5 @@
-"""The run directory: resolved config, partition, per-round metrics, summary, checkpoint.
+"""The run directory: resolved config, partition, per-round metrics, summary, checkpoint
+(``checkpoint.pt`` and the client states it names in ``client-state/``).
 
 ``metrics.jsonl`` holds only quantities that are a deterministic function of the
 configuration (no wall-clock times), so two runs with the same seed and config produce
@@ -12,8 +13,6 @@ import os
 import time
 from pathlib import Path
 from typing import Any
-
-import torch
 
 from ..config import Config
 from ..errors import ConfigError
@@ -30,35 +29,68 @@ def default_run_dir(algorithm: str, dataset: str, root: Path = Path("runs")) -> 
     return path
 
 
-class RunDir:
-    """Writes the files of one run; never overwrites a previous run."""
+CHECKPOINT = "checkpoint.pt"
 
-    def __init__(self, path: Path) -> None:
+
+class RunDir:
+    """Writes the files of one run; never overwrites a previous run.
+
+    ``resume=True`` opens the directory of an earlier run to continue it.
+    """
+
+    def __init__(self, path: Path, resume: bool = False) -> None:
         self.path = Path(path)
+        if resume:
+            if not (self.path / "config.yaml").is_file():
+                raise ConfigError(f"{self.path} is not a run directory (no config.yaml); give the directory of a `contrafl run`")
+            return
         if self.path.exists() and any(self.path.iterdir()):
             raise ConfigError(
                 f"run directory {self.path} already exists and is not empty; "
-                "choose another --out or remove it"
+                f"continue it with `contrafl run --resume {self.path}`, or choose another --out"
             )
         self.path.mkdir(parents=True, exist_ok=True)
 
     def write_config(self, config: Config) -> None:
-        (self.path / "config.yaml").write_text(config.to_yaml())
+        self.write_text("config.yaml", config.to_yaml())
+
+    def write_text(self, name: str, text: str) -> None:
+        """Replace file ``name`` atomically."""
+        tmp = self.path / f".{name}.tmp"
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path / name)
 
     def write_json(self, name: str, obj: Any) -> None:
-        tmp = self.path / f".{name}.tmp"
-        tmp.write_text(json.dumps(obj, indent=2) + "\n")
-        os.replace(tmp, self.path / name)
+        self.write_text(name, json.dumps(obj, indent=2) + "\n")
 
     def append(self, name: str, row: dict[str, Any]) -> None:
         with open(self.path / name, "a") as f:
             f.write(json.dumps(row) + "\n")
 
-    def save_checkpoint(self, payload: dict[str, Any]) -> None:
-        tmp = self.path / ".checkpoint.pt.tmp"
-        torch.save(payload, tmp)
-        os.replace(tmp, self.path / "checkpoint.pt")
+    def truncate(self, rounds: int, metrics: list[dict[str, Any]]) -> None:
+        """Cut the per-round files back to the first ``rounds`` rounds (a resumed run
+        recomputes the later ones): ``metrics.jsonl`` is rewritten from ``metrics``,
+        ``timing.jsonl`` keeps its rows of those rounds."""
+        self.write_text("metrics.jsonl", "".join(json.dumps(row) + "\n" for row in metrics))
+        timing = self.path / "timing.jsonl"
+        if timing.is_file():
+            kept = []
+            for line in timing.read_text().splitlines():
+                try:
+                    if json.loads(line)["round"] <= rounds:
+                        kept.append(line + "\n")
+                except (ValueError, KeyError, TypeError):
+                    break  # a line torn by a crash, and everything after it
+            self.write_text("timing.jsonl", "".join(kept))
 
     @property
-    def spill_dir(self) -> Path:
-        return self.path / ".client-state"
+    def checkpoint_path(self) -> Path:
+        return self.path / CHECKPOINT
+
+    @property
+    def client_dir(self) -> Path:
+        """Client states of the checkpoints (and spilled states)."""
+        return self.path / "client-state"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +45,7 @@ class Setup:
     train_transform: augment.Transform
     eval_transform: augment.Transform
     device: torch.device
+    warnings: list[str] = dataclasses.field(default_factory=list)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -99,24 +101,81 @@ def check_components(cfg: Config) -> None:
     P.build(PARTITIONS.get(cfg.partition.name).options, cfg.partition.options, "partition")
 
 
-def prepare(cfg: Config) -> Setup:
-    """Validate and resolve ``cfg``, load and partition the data, build the algorithm."""
+def resolve(cfg: Config) -> Config:
+    """``cfg`` with every component validated and canonically named and every ``auto``
+    setting filled in, without loading any data: the configuration a run directory
+    records and fingerprints (:func:`contrafl.config.fingerprint`)."""
     check_components(cfg)
     algo_cls = ALGORITHMS.get(cfg.algorithm.name)
     algo_params = P.build(algo_cls.Params, cfg.algorithm.options, "algorithm")
     device = resolve_device(cfg.device)
     spec = DATASETS.get(cfg.dataset.name)
     rec = spec.recommended
-    model_name = spec.default_model if cfg.model.name == "auto" else cfg.model.name
-    head, backbone = split_options(MODELS.get(model_name), cfg.model.options)
-    augment_name = spec.augment if cfg.augment == "auto" else cfg.augment
-    partition_name = cfg.partition.name
+    model_spec = MODELS.get(spec.default_model if cfg.model.name == "auto" else cfg.model.name)
+    head, backbone = split_options(model_spec, cfg.model.options)
+    partition = PARTITIONS.get(cfg.partition.name)
+    cfg = dataclasses.replace(
+        cfg,
+        dataset=Component(spec.name, P.to_dict(P.build(spec.options, cfg.dataset.options, "dataset"))),
+        partition=Component(partition.name, P.to_dict(P.build(partition.options, cfg.partition.options, "partition"))),
+        model=Component(model_spec.name, {**P.to_dict(head), **P.to_dict(backbone)}),
+        algorithm=Component(algo_cls.name, P.to_dict(algo_params)),
+        rounds=cfg.rounds if cfg.rounds is not None else rec["rounds"],
+        local_epochs=cfg.local_epochs if cfg.local_epochs is not None else rec["local_epochs"],
+        batch_size=cfg.batch_size if cfg.batch_size is not None else rec["batch_size"],
+        augment=augment.AUGMENTATIONS.canonical(spec.augment if cfg.augment == "auto" else cfg.augment),
+        sample_fraction=cfg.sample_fraction if algo_cls.samples_clients else 1.0,
+        server_momentum=(
+            cfg.server_momentum if cfg.server_momentum is not None else algo_cls.default_server_momentum
+        ),
+        device=device.type,
+        eval_personal=cfg.eval_personal if cfg.eval_personal is not None else algo_cls.personalized,
+    )
+    executor = choose_executor(cfg, algo_cls, device)
+    workers = (cfg.workers or cpu_cores()) if executor == "parallel" else 1
+    return dataclasses.replace(cfg, executor=executor, workers=workers)
 
-    data, dataset_component = load_data(cfg)
-    if data.natural_partition is not None and partition_name != "natural":
+
+def choose_executor(cfg: Config, algo_cls: type[Algorithm], device: torch.device) -> str:
+    """The executor for ``executor=auto``.
+
+    On CUDA: the vectorized executor for algorithms that support it with equal batch
+    sizes (``drop_last``). On a multi-core CPU, when a round trains at least two clients:
+    the parallel executor (batched per-client convolutions are slower than one client at
+    a time on a CPU, and one client's small operations do not use many cores well; it
+    is faster from 3 local steps per client on, docs/performance.md). Otherwise the
+    sequential executor.
+    """
+    can_vectorize = algo_cls.vectorizable and cfg.drop_last
+    if cfg.executor == "vectorized" and not can_vectorize:
+        why = f"algorithm {algo_cls.name} cannot be vectorized" if not algo_cls.vectorizable else "drop_last=false gives unequal batch sizes"
+        raise ConfigError(f"executor=vectorized is not possible: {why}; use executor=sequential or executor=auto")
+    if cfg.executor == "parallel" and device.type != "cpu":
+        raise ConfigError("executor=parallel trains on the CPU; use executor=vectorized or auto with device=cuda")
+    if cfg.executor != "auto":
+        return cfg.executor
+    if device.type == "cuda":
+        return "vectorized" if can_vectorize else "sequential"
+    if cpu_cores() > 1 and cfg.num_clients * cfg.sample_fraction >= 2:
+        return "parallel"
+    return "sequential"
+
+
+def cpu_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def prepare(cfg: Config) -> Setup:
+    """Resolve ``cfg`` (:func:`resolve`), load and partition the data, build the algorithm."""
+    cfg = resolve(cfg)
+    algo_cls = ALGORITHMS.get(cfg.algorithm.name)
+    algo_params = P.build(algo_cls.Params, cfg.algorithm.options, "algorithm")
+    device = torch.device(cfg.device)
+    data, _ = load_data(cfg)
+    if data.natural_partition is not None and cfg.partition.name != "natural":
         raise ConfigError(
             f"dataset {data.name} is federated by construction; use partition=natural "
-            f"(got partition={partition_name})"
+            f"(got partition={cfg.partition.name})"
         )
     labels = data.train.y.numpy()
     if cfg.num_clients > len(labels):
@@ -127,31 +186,13 @@ def prepare(cfg: Config) -> Setup:
     partition = make_partition(
         labels,
         cfg.num_clients,
-        partition_name,
+        cfg.partition.name,
         cfg.partition.options,
         seed=cfg.seed,
         test_fraction=cfg.test_fraction,
         natural=(data.natural_partition or {}).get("train"),
         num_classes=data.num_classes,
     )
-
-    cfg = dataclasses.replace(
-        cfg,
-        dataset=dataset_component,
-        partition=Component(partition.method, dict(partition.options)),
-        model=Component(model_name, {**P.to_dict(head), **P.to_dict(backbone)}),
-        algorithm=Component(algo_cls.name, P.to_dict(algo_params)),
-        rounds=cfg.rounds if cfg.rounds is not None else rec["rounds"],
-        local_epochs=cfg.local_epochs if cfg.local_epochs is not None else rec["local_epochs"],
-        batch_size=cfg.batch_size if cfg.batch_size is not None else rec["batch_size"],
-        augment=augment_name,
-        server_momentum=(
-            cfg.server_momentum if cfg.server_momentum is not None else algo_cls.default_server_momentum
-        ),
-        device=device.type,
-        eval_personal=cfg.eval_personal if cfg.eval_personal is not None else algo_cls.personalized,
-    )
-
     model_factory = functools.partial(init_model, cfg, data, algo_cls, algo_params)
     model = model_factory(derive_seed(cfg.seed, "global-init"))
     federation = Federation(
@@ -164,18 +205,35 @@ def prepare(cfg: Config) -> Setup:
         param_names=tuple(name for name, _ in model.named_parameters()),
         seed=cfg.seed,
     )
-    algorithm = algo_cls(algo_params, federation)
     return Setup(
         config=cfg,
         data=data,
         partition=partition,
-        algorithm=algorithm,
+        algorithm=algo_cls(algo_params, federation),
         model=model,
         model_factory=model_factory,
-        train_transform=augment.AUGMENTATIONS.get(augment_name)(data.mean, data.std),
+        train_transform=augment.AUGMENTATIONS.get(cfg.augment)(data.mean, data.std),
         eval_transform=augment.eval_transform(data.mean, data.std),
         device=device,
+        warnings=setup_warnings(cfg, algo_cls, partition),
     )
+
+
+def setup_warnings(cfg: Config, algo_cls: type[Algorithm], partition: Partition) -> list[str]:
+    """Settings that are valid but probably not what the user meant."""
+    out = []
+    if not algo_cls.samples_clients and cfg.sample_fraction < 1:
+        out.append(f"{algo_cls.name} trains every client every round; sample_fraction is ignored")
+    if cfg.drop_last:
+        small = [cid for cid, rows in enumerate(partition.train) if len(rows) < cfg.batch_size]
+        if small:
+            shown = ", ".join(map(str, small[:10])) + (", ..." if len(small) > 10 else "")
+            out.append(
+                f"{len(small)} of {cfg.num_clients} clients have fewer than batch_size={cfg.batch_size} "
+                f"training samples and take no local step (drop_last=true; clients {shown}); "
+                "lower batch_size, use fewer clients or set drop_last=false"
+            )
+    return out
 
 
 def init_model(cfg: Config, data: FederatedDataset, algo_cls: type[Algorithm], algo_params, seed: int) -> FedModel:

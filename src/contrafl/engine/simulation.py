@@ -5,6 +5,15 @@ each client's local task, train the clients with the executor, collect the repli
 aggregate, apply the server optimiser, account for communication and evaluate. The loop
 never looks at which algorithm runs: everything algorithm-specific goes through the
 :class:`~contrafl.algorithms.base.Algorithm` interface.
+
+Every ``checkpoint_every`` rounds (and after the last) the run directory gets a
+checkpoint with everything needed to continue exactly: the server's state and
+optimiser, every client's state (:class:`~contrafl.engine.client_store.ClientStore`),
+the metrics so far and the communication totals. Every random stream is derived from
+(seed, round, client) (:mod:`contrafl.engine.rng`), so :meth:`Simulation.restore`
+followed by :meth:`Simulation.run` continues with the same numbers as a run that was
+never stopped. ``summary.json`` always says how the run stands: ``running``,
+``completed``, ``interrupted`` (SIGINT, SIGTERM, SIGHUP) or ``failed`` (with the error).
 """
 
 from __future__ import annotations
@@ -18,13 +27,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..algorithms.base import Algorithm, Reply, StateDict, model_state
+from ..algorithms.base import Reply, ServerState, StateDict, model_state
 from ..algorithms.server_opt import ServerOptimizer
-from ..config import Config
-from ..errors import ClientUpdateError, ConfigError, ContraflError
+from ..config import Config, differences, fingerprint
+from ..errors import CheckpointError, ClientUpdateError
 from ..eval.evaluate import evaluate
 from ..eval.metrics import mean_std, rounds_to_reach
 from ..models.base import ModelOutput
+from .checkpoint import load_safe, save_atomic
 from .client_store import ClientStore
 from .comm import add_bytes, payload_bytes
 from .executor import FunctionalNet, Job, SequentialExecutor, Workload
@@ -33,9 +43,11 @@ from .parallel import ParallelExecutor
 from .plan import make_plan
 from .progress import Progress
 from .rng import derive_seed, generator
-from .run_dir import RunDir
+from .run_dir import CHECKPOINT, RunDir
 from .sampling import sample_schedule
-from .setup import Setup
+from .setup import Setup, choose_executor, cpu_cores
+from .signals import interrupts, signal_name
+from .validate import check_reply, norm_outliers
 from .vectorized import VectorizedExecutor
 
 
@@ -56,35 +68,6 @@ class Context:
         return self._sim.predict(state, self._sim.rows_t[self.cid])
 
 
-def choose_executor(cfg: Config, algorithm: Algorithm, device: torch.device) -> str:
-    """The executor for ``executor=auto``.
-
-    On CUDA: the vectorized executor for algorithms that support it with equal batch
-    sizes (``drop_last``). On a multi-core CPU, when a round trains at least two clients:
-    the parallel executor (batched per-client convolutions are slower than one client at
-    a time on a CPU, and one client's small operations do not use many cores well; it
-    is faster from 3 local steps per client on, docs/performance.md). Otherwise the
-    sequential executor.
-    """
-    can_vectorize = algorithm.vectorizable and cfg.drop_last
-    if cfg.executor == "vectorized" and not can_vectorize:
-        why = f"algorithm {algorithm.name} cannot be vectorized" if not algorithm.vectorizable else "drop_last=false gives unequal batch sizes"
-        raise ConfigError(f"executor=vectorized is not possible: {why}; use executor=sequential or executor=auto")
-    if cfg.executor == "parallel" and device.type != "cpu":
-        raise ConfigError("executor=parallel trains on the CPU; use executor=vectorized or auto with device=cuda")
-    if cfg.executor != "auto":
-        return cfg.executor
-    if device.type == "cuda":
-        return "vectorized" if can_vectorize else "sequential"
-    if cpu_cores() > 1 and cfg.num_clients * cfg.sample_fraction >= 2:
-        return "parallel"
-    return "sequential"
-
-
-def cpu_cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-
-
 def make_executor(name: str, workload: Workload, cfg: Config):
     """The executor ``name`` for ``workload``."""
     if name == "vectorized":
@@ -95,24 +78,7 @@ def make_executor(name: str, workload: Workload, cfg: Config):
     return SequentialExecutor(workload)
 
 
-def check_reply(reply: Reply, round: int) -> None:
-    """Reject a reply with non-finite values before it reaches the aggregate."""
-
-    def walk(obj: Any, path: str) -> None:
-        if isinstance(obj, torch.Tensor):
-            if obj.is_floating_point() and not torch.isfinite(obj).all():
-                raise ClientUpdateError(
-                    f"client {reply.cid} returned non-finite values in '{path}' at round {round + 1}; "
-                    "training diverged: lower lr or the loss weights (e.g. algorithm.mu)"
-                )
-        elif isinstance(obj, dict):
-            for k, v in obj.items():
-                walk(v, f"{path}.{k}" if path else str(k))
-        elif isinstance(obj, (list, tuple)):
-            for i, v in enumerate(obj):
-                walk(v, f"{path}[{i}]")
-
-    walk(reply.payload, "")
+CHECKPOINT_FORMAT = 1
 
 
 class Simulation:
@@ -135,14 +101,19 @@ class Simulation:
         initial = {k: v.detach().clone() for k, v in setup.model.state_dict().items()}
         self.server = self.algorithm.init_server(initial)
         self.server_opt = ServerOptimizer(cfg.server_lr, cfg.server_momentum)
-        spill = run_dir.spill_dir if run_dir is not None else Path(tempfile.gettempdir()) / f"contrafl-{os.getpid()}-{id(self)}"
-        self.store = ClientStore(cfg.client_memory_gb * 2**30, spill)
+        if run_dir is not None:
+            self.store = ClientStore(cfg.client_memory_gb * 2**30, run_dir.client_dir, self.device, keep=True)
+        else:
+            spill = Path(tempfile.gettempdir()) / f"contrafl-{os.getpid()}-{id(self)}"
+            self.store = ClientStore(cfg.client_memory_gb * 2**30, spill, self.device)
         self.optimizer = make_optimizer(cfg.optimizer, cfg.lr, cfg.momentum, cfg.weight_decay)
-        self.executor_name = choose_executor(cfg, self.algorithm, self.device)
+        self.executor_name = cfg.executor if cfg.executor != "auto" else choose_executor(cfg, type(self.algorithm), self.device)
         self.schedule = sample_schedule(cfg.num_clients, cfg.sample_fraction, cfg.rounds, cfg.seed)
+        self.fingerprint = fingerprint(cfg)
         self.history: list[dict[str, Any]] = []
-        self.comm_total = {"down": {}, "up": {}}
+        self.comm_total: dict[str, dict[str, int]] = {"down": {}, "up": {}}
         self.rounds_done = 0
+        self.wall_time_before = 0.0  # seconds spent before a resume
 
     # -- services for the algorithm's client context ----------------------------------
     def initial_state(self, cid: int) -> StateDict:
@@ -165,32 +136,91 @@ class Simulation:
 
     # -- the loop -------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
+        """Run the remaining rounds; the summary. Any exception propagates after the
+        summary has recorded the run as ``interrupted`` or ``failed``."""
         start = time.perf_counter()
-        status = "completed"
-        if self.run_dir is not None:
-            self.run_dir.write_config(self.cfg)
-            self.setup.partition.save(self.run_dir.path / "partition.json")
+        cfg, run_dir = self.cfg, self.run_dir
+        if run_dir is not None and self.rounds_done == 0:
+            run_dir.write_config(self.cfg)
+            self.setup.partition.save(run_dir.path / "partition.json")
+        status, error = "running", None
         try:
-            for t in range(self.cfg.rounds):
-                round_start = time.perf_counter()
-                row = self.run_round(t)
-                self.history.append(row)
-                self.rounds_done = t + 1
-                if self.run_dir is not None:
-                    self.run_dir.append("metrics.jsonl", row)
-                    self.run_dir.append("timing.jsonl", {"round": t + 1, "seconds": time.perf_counter() - round_start})
-                if self.progress is not None:
-                    self.progress.round_done(row)
-        except (ContraflError, KeyboardInterrupt) as exc:
-            status = "interrupted" if isinstance(exc, KeyboardInterrupt) else f"failed: {exc}"
+            with interrupts():
+                if run_dir is not None:
+                    run_dir.write_json("summary.json", self.summary("running", time.perf_counter() - start))
+                for t in range(self.rounds_done, cfg.rounds):
+                    round_start = time.perf_counter()
+                    row = self.run_round(t)
+                    self.history.append(row)
+                    self.rounds_done = t + 1
+                    if run_dir is not None:
+                        run_dir.append("metrics.jsonl", row)
+                        run_dir.append("timing.jsonl", {"round": t + 1, "seconds": time.perf_counter() - round_start})
+                        if (t + 1) % cfg.checkpoint_every == 0 or t + 1 == cfg.rounds:
+                            self.save_checkpoint(time.perf_counter() - start)
+                    if self.progress is not None:
+                        self.progress.round_done(row)
+            status = "completed"
+        except KeyboardInterrupt as exc:
+            status, error = "interrupted", f"stopped by {signal_name(exc)}"
+            raise
+        except BaseException as exc:
+            status, error = "failed", one_line(exc)
             raise
         finally:
-            summary = self.summary(status, time.perf_counter() - start)
-            if self.run_dir is not None:
-                self.run_dir.write_json("summary.json", summary)
-                self.run_dir.save_checkpoint(self.checkpoint())
+            summary = self.summary(status, time.perf_counter() - start, error)
+            if run_dir is not None:
+                run_dir.write_json("summary.json", summary)
             self.store.close()
         return summary
+
+    # -- checkpoints ----------------------------------------------------------------
+    def save_checkpoint(self, seconds: float) -> None:
+        """Write the checkpoint of the rounds done so far (atomically, client states
+        first) and the summary that goes with it."""
+        assert self.run_dir is not None
+        manifest = self.store.checkpoint()
+        save_atomic(
+            {
+                "format": CHECKPOINT_FORMAT,
+                "round": self.rounds_done,
+                "fingerprint": self.fingerprint,
+                "config": self.cfg.to_dict(),
+                "server": {"model": self.server.model, "extras": self.server.extras},
+                "server_optimizer": self.server_opt.state_dict(),
+                "clients": manifest,
+                "history": self.history,
+                "comm_total": self.comm_total,
+                "wall_time_s": self.wall_time_before + seconds,
+            },
+            self.run_dir.checkpoint_path,
+        )
+        self.store.commit(manifest)
+        self.run_dir.write_json("summary.json", self.summary("running", seconds))
+
+    def restore(self, checkpoint: dict[str, Any]) -> None:
+        """Continue from ``checkpoint`` (:func:`load_checkpoint`): server, clients,
+        metrics; the run directory's metrics and timing files are cut back to it."""
+        if checkpoint.get("format") != CHECKPOINT_FORMAT:
+            raise CheckpointError(f"checkpoint format {checkpoint.get('format')!r} is not {CHECKPOINT_FORMAT}; it was written by another contrafl version")
+        if checkpoint["fingerprint"] != self.fingerprint:
+            changed = differences(checkpoint["config"], self.cfg.to_dict())
+            raise CheckpointError(
+                "the checkpoint belongs to another configuration"
+                + (f" ({'; '.join(changed[:3])})" if changed else "")
+                + "; resume with the run directory's own config.yaml"
+            )
+        self.server = ServerState(checkpoint["server"]["model"], checkpoint["server"]["extras"])
+        self.server_opt.load_state_dict(checkpoint["server_optimizer"])
+        self.store.restore(checkpoint["clients"])
+        self.history = list(checkpoint["history"])
+        self.comm_total = checkpoint["comm_total"]
+        self.rounds_done = int(checkpoint["round"])
+        self.wall_time_before = float(checkpoint["wall_time_s"])
+        if self.run_dir is not None:
+            self.run_dir.truncate(self.rounds_done, self.history)
+        if self.progress is not None:
+            self.progress.resume_at(self.rounds_done)
 
     def run_round(self, t: int) -> dict[str, Any]:
         cfg, algo = self.cfg, self.algorithm
@@ -224,46 +254,74 @@ class Simulation:
             task = algo.client_begin(message, entry["algorithm"], ctx)
             return Job(cid, task, plan, derive_seed(cfg.seed, "dropout", t, cid), entry["optimizer"])
 
+        spec = algo.reply_spec(message)
         replies: list[Reply] = []
-        loss_sum, steps = 0.0, 0
+        rejected: dict[int, str] = {}
+        losses: dict[int, float] = {}
+        steps = 0
+        up: dict[str, int] = {}
         for done, (job, result) in enumerate(executor.run(make_job, sampled), start=1):
             ctx, entry = open_clients.pop(job.cid)
             reply, state = algo.client_end(job.task, result, entry["algorithm"], ctx)
-            check_reply(reply, t)
-            replies.append(reply)
+            add_bytes(up, payload_bytes(reply.payload))
+            reason = check_reply(reply, spec)
+            if reason is None:
+                replies.append(reply)
+            else:
+                rejected[reply.cid] = self.reject(reply.cid, reason, t)
             entry = {"algorithm": state, "optimizer": result.opt_state if cfg.persist_optimizer_state else None}
             if cfg.eval_personal and "model" in result.params and algo.personal_state(state, self.server) is None:
                 entry["local"] = model_state(result)  # evaluated when the algorithm keeps no personal model
-            self.store.put(job.cid, entry)
+            if entry["algorithm"] or entry["optimizer"] is not None or "local" in entry or job.cid in self.store:
+                self.store.put(job.cid, entry)
             if "loss" in result.stats:
-                loss_sum += float(result.stats["loss"])
+                losses[job.cid] = float(result.stats["loss"])
             steps += result.steps
             if self.progress is not None:
                 self.progress.clients(t + 1, done, len(sampled))
         replies.sort(key=lambda r: r.cid)
+        for cid, reason in norm_outliers(replies, message, cfg.update_outlier_factor).items():
+            rejected[cid] = self.reject(cid, reason, t)
+        replies = [r for r in replies if r.cid not in rejected]
 
-        old = self.server.model
-        self.server = algo.aggregate(self.server, replies, t)
-        self.server.model = self.server_opt.step(old, self.server.model)
+        if replies:
+            old = self.server.model
+            self.server = algo.aggregate(self.server, replies, t)
+            self.server.model = self.server_opt.step(old, self.server.model)
 
-        down, up = {}, {}
+        down: dict[str, int] = {}
         add_bytes(down, payload_bytes(message), times=len(sampled))
-        for r in replies:
-            add_bytes(up, payload_bytes(r.payload))
         add_bytes(self.comm_total["down"], down)
         add_bytes(self.comm_total["up"], up)
 
         row: dict[str, Any] = {
             "round": t + 1,
             "clients": sampled,
-            "train_loss": loss_sum / steps if steps else None,
+            "train_loss": sum(losses[c] for c in sorted(losses)) / steps if steps else None,
             "local_steps": steps,
         }
+        if rejected:
+            row["rejected"] = [{"client": cid, "reason": why} for cid, why in sorted(rejected.items())]
         if (t + 1) % cfg.eval_every == 0 or t + 1 == cfg.rounds:
             row.update(self.evaluate())
         row["bytes_down"] = down
         row["bytes_up"] = up
         return row
+
+    def reject(self, cid: int, reason: str, round: int) -> str:
+        """Record a client update that failed validation, or stop the run
+        (``on_bad_update=stop``)."""
+        if self.cfg.on_bad_update == "stop":
+            advice = (
+                "training diverged: lower lr or the loss weights (e.g. algorithm.mu)"
+                if "non-finite" in reason
+                else "the client sent an update the server cannot aggregate"
+            )
+            raise ClientUpdateError(
+                f"client {cid}'s update in round {round + 1} was rejected: {reason}; {advice}, "
+                "or set on_bad_update=skip to leave such updates out of the aggregate"
+            )
+        return reason
 
     # -- evaluation -----------------------------------------------------------------
     def evaluate(self) -> dict[str, Any]:
@@ -301,11 +359,13 @@ class Simulation:
         return out
 
     # -- outputs --------------------------------------------------------------------
-    def summary(self, status: str, seconds: float) -> dict[str, Any]:
+    def summary(self, status: str, seconds: float, error: str | None = None) -> dict[str, Any]:
         evaluated = [r for r in self.history if "test_acc" in r or "personal_acc" in r]
         last = evaluated[-1] if evaluated else {}
-        summary: dict[str, Any] = {
-            "status": status,
+        summary: dict[str, Any] = {"status": status}
+        if error is not None:
+            summary["error"] = error
+        summary |= {
             "algorithm": self.cfg.algorithm.name,
             "dataset": self.cfg.dataset.name,
             "rounds_completed": self.rounds_done,
@@ -320,19 +380,24 @@ class Simulation:
         if self.cfg.target_accuracy is not None:
             summary["target_accuracy"] = self.cfg.target_accuracy
             summary["rounds_to_target"] = rounds_to_reach(self.history, self.cfg.target_accuracy)
+        seconds += self.wall_time_before
+        summary["rejected_updates"] = sum(len(r.get("rejected", [])) for r in self.history)
         summary["bytes_total"] = self.comm_total
         summary["executor"] = self.executor_name
         summary["device"] = str(self.device)
+        summary["fingerprint"] = self.fingerprint
         summary["wall_time_s"] = round(seconds, 3)
         summary["seconds_per_round"] = round(seconds / self.rounds_done, 3) if self.rounds_done else None
         return summary
 
-    def checkpoint(self) -> dict[str, Any]:
-        return {
-            "round": self.rounds_done,
-            "model": self.server.model,
-            "server_extras": self.server.extras,
-            "server_optimizer": self.server_opt.state_dict(),
-            "config": self.cfg.to_dict(),
-        }
 
+def load_checkpoint(run_dir: Path) -> dict[str, Any] | None:
+    """The checkpoint of a run directory (loaded safely), or None if it has none yet."""
+    path = Path(run_dir) / CHECKPOINT
+    return load_safe(path, "checkpoint") if path.is_file() else None
+
+
+def one_line(exc: BaseException) -> str:
+    """``Type: first line of the message`` of an exception, for summary.json."""
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__

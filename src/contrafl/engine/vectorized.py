@@ -29,7 +29,7 @@ from torch.utils import _pytree as pytree
 
 from ..algorithms.base import Batch, Stage, TaskView, TrainResult
 from .client_store import state_bytes
-from .executor import Job, SequentialExecutor, Workload, stage_keys
+from .executor import Job, SequentialExecutor, Workload, stage_keys, used_parameters
 from .plan import ClientPlan
 from .rng import seed_global
 
@@ -163,10 +163,12 @@ class VectorizedExecutor:
 
         keys = [stage_keys(stage, tasks[0]) for stage in w.stages]
         tensors = [[params[r][k] for r, k in ks] for ks in keys]
-        if jobs[0].opt_state is not None:
-            opt_states = [stack_trees([j.opt_state[i] for j in jobs], force=True)[0] for i in range(len(w.stages))]
-        else:
-            opt_states = [w.optimizer.init(ts, lead=(K,)) for ts in tensors]
+        own_states = [  # each client's persisted optimiser state, or a fresh one
+            j.opt_state if j.opt_state is not None else [w.optimizer.init([j.task.params[r][k] for r, k in ks]) for ks in keys]
+            for j in jobs
+        ]
+        opt_states = [stack_trees([s[i] for s in own_states], force=True)[0] for i in range(len(w.stages))]
+        used = used_parameters(w, jobs[0])
 
         S = max(steps) if steps else 0
         rows = torch.zeros(K, S, B, dtype=torch.long, device=w.x.device)
@@ -190,7 +192,7 @@ class VectorizedExecutor:
             views = [w.transform(raw, {k: v[:a, s] for k, v in view.items()}) for view in augs]
             x = views[0] if len(views) == 1 else torch.stack(views, dim=1)
             y = w.y[r]
-            for stage, ks, ts, state in zip(w.stages, keys, tensors, opt_states):
+            for stage, ks, ts, state, uses in zip(w.stages, keys, tensors, opt_states, used):
                 trained = {role for role, _ in ks}
                 tp = {role: {k: v[:a] for k, v in params[role].items()} for role in params if role in trained}
                 op = {role: {k: v[:a] for k, v in params[role].items()} for role in params if role not in trained}
@@ -200,7 +202,7 @@ class VectorizedExecutor:
                 fn = self._grad_fn(stage, frozen_dims, consts_dims, sorted(op))
                 with w.autocast_context():
                     grads, (_, stats) = fn(tp, op, bufs, fz, cs, x, y)
-                flat_grads = [grads[role][k] for role, k in ks]
+                flat_grads = [grads[role][k] if u else None for (role, k), u in zip(ks, uses)]
                 views_a = [t[:a] for t in ts]
                 w.optimizer.step(views_a, flat_grads, _slice_state(state, a))
                 if stage.post_step is not None:

@@ -1,0 +1,113 @@
+"""Validation of client updates before they reach the aggregate.
+
+One validator serves every server: the simulator's round loop now, a deployment's server
+(Flower) later. A reply is checked against the structure its algorithm expects
+(:meth:`~contrafl.algorithms.base.Algorithm.reply_spec`): the payload's keys, every
+tensor's shape and dtype, finite floating-point values and a non-negative sample count.
+Optionally, an update whose norm is more than ``outlier_factor`` times the median update
+norm of the round's valid replies is rejected too, with the update of a payload entry
+measured against the broadcast entry of the same name (``||w_k - w||`` for a model)::
+
+    reject k  if  ||u_k|| > outlier_factor * median_j ||u_j||
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from ..algorithms.base import Reply, TensorSpec, dtype_name
+
+
+def check_reply(reply: Reply, spec: Mapping[str, Any]) -> str | None:
+    """Why ``reply`` cannot be aggregated, or None when it matches ``spec``."""
+    n = reply.num_samples
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        return f"num_samples={n!r}, expected a non-negative integer"
+    return _check(reply.payload, spec, "")
+
+
+def _check(value: Any, spec: Any, path: str) -> str | None:
+    where = f"'{path}'" if path else "the payload"
+    if isinstance(spec, TensorSpec):
+        if not isinstance(value, torch.Tensor):
+            return f"{where} is a {type(value).__name__}, expected a tensor {spec}"
+        if value.dtype != spec.dtype:
+            return f"{where} has dtype {dtype_name(value.dtype)}, expected {dtype_name(spec.dtype)}"
+        shape = tuple(value.shape)
+        if len(shape) != len(spec.shape) or any(e is not None and e != s for s, e in zip(shape, spec.shape)):
+            return f"{where} has shape {list(shape)}, expected {spec}"
+        if value.is_floating_point() or value.is_complex():
+            finite = torch.isfinite(value)
+            if not bool(finite.all()):
+                nan = int(torch.isnan(value).sum())
+                return f"{where} has non-finite values ({nan} NaN, {int((~finite).sum()) - nan} infinite)"
+        return None
+    if isinstance(spec, Mapping):
+        if not isinstance(value, Mapping):
+            return f"{where} is a {type(value).__name__}, expected a mapping"
+        missing = [k for k in spec if k not in value]
+        if missing:
+            return f"{_join(path, missing[0])!r} is missing"
+        extra = [k for k in value if k not in spec]
+        if extra:
+            return f"{_join(path, extra[0])!r} is not expected"
+        for k, sub in spec.items():
+            reason = _check(value[k], sub, _join(path, k))
+            if reason:
+                return reason
+        return None
+    if isinstance(spec, Sequence):
+        if not isinstance(value, Sequence) or len(value) != len(spec):
+            return f"{where} is not a sequence of {len(spec)} entries"
+        for i, (v, s) in enumerate(zip(value, spec)):
+            reason = _check(v, s, f"{path}[{i}]")
+            if reason:
+                return reason
+        return None
+    raise TypeError(f"bad reply spec at {where}: {spec!r}")
+
+
+def update_norm(payload: Mapping[str, Any], message: Mapping[str, Any]) -> float:
+    """``sqrt(sum_p ||payload[p] - message[p]||^2)`` over the floating-point tensors of the
+    payload, with ``message[p] = 0`` where the broadcast has no tensor of that name."""
+    total = 0.0
+
+    def walk(value: Any, ref: Any) -> None:
+        nonlocal total
+        if isinstance(value, torch.Tensor):
+            if not value.is_floating_point():
+                return
+            if isinstance(ref, torch.Tensor) and ref.shape == value.shape:
+                value = value - ref.to(value)
+            total += float(value.double().pow(2).sum())
+        elif isinstance(value, Mapping):
+            for k, v in value.items():
+                walk(v, ref.get(k) if isinstance(ref, Mapping) else None)
+
+    walk(payload, message)
+    return math.sqrt(total)
+
+
+def norm_outliers(replies: Sequence[Reply], message: Mapping[str, Any], factor: float) -> dict[int, str]:
+    """``{cid: reason}`` for the replies whose update norm exceeds ``factor`` times the
+    round's median (none when ``factor`` is 0 or the median is 0)."""
+    if factor <= 0 or not replies:
+        return {}
+    norms = {r.cid: update_norm(r.payload, message) for r in replies}
+    median = statistics.median(norms.values())
+    if median <= 0:
+        return {}
+    return {
+        cid: f"update norm {norm:.4g} is {norm / median:.1f} times the round's median {median:.4g} (limit {factor:g})"
+        for cid, norm in norms.items()
+        if norm > factor * median
+    }
+
+
+def _join(path: str, key: Any) -> str:
+    return f"{path}.{key}" if path else str(key)
