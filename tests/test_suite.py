@@ -56,7 +56,7 @@ def test_run_suite_tables_and_resumes(tmp_path):
     log.clear()
     again = run_suite(_tiny_suite(), tmp_path, log=log.append)
     assert log[0] == f"tiny: 2 methods x 2 seeds -> {tmp_path}"
-    assert all("skipped" in line for line in log[1:]) and len(log) == 5
+    assert all("done before, reused" in line for line in log[1:]) and len(log) == 5
     assert again["methods"]["MOON"]["test_acc"] == finals
 
 
@@ -109,3 +109,103 @@ def test_method_names_must_give_distinct_directories(tmp_path, names, message):
     path.write_text(yaml.safe_dump({"name": "s", "methods": {n: {"algorithm": "fedavg"} for n in names}}))
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_suite(path)
+
+
+def _final(path):
+    rows = [json.loads(x) for x in (path / "metrics.jsonl").read_text().splitlines()]
+    return rows[-1]["test_acc"]
+
+
+def test_changed_setting_runs_anew_and_keeps_the_old_run(tmp_path):
+    suite = Suite(name="t", base={"rounds": 2, "local_epochs": 1, "num_clients": 4},
+                  methods={"MOON": {"algorithm": "moon"}})
+    log = []
+    first = run_suite(suite, tmp_path, log=log.append)
+    mu1 = first["methods"]["MOON"]["test_acc"]
+    log.clear()
+    second = run_suite(suite, tmp_path, ["algorithm.mu=5"], log=log.append)
+    assert any("algorithm.mu: 1.0 -> 5.0" in line and "running anew" in line for line in log)
+    assert second["methods"]["MOON"]["test_acc"] != mu1
+    assert yaml.safe_load((tmp_path / "MOON" / "seed0" / "config.yaml").read_text())["algorithm"]["mu"] == 5.0
+    previous = list((tmp_path / "MOON" / ".previous").iterdir())
+    assert len(previous) == 1 and _final(previous[0]) == mu1[0]
+    # asking for mu=1 again brings the earlier run back instead of training again
+    log.clear()
+    third = run_suite(suite, tmp_path, log=log.append)
+    assert third["methods"]["MOON"]["test_acc"] == mu1
+    assert any("done before, reused" in line for line in log)
+
+
+def test_methods_option_merges_into_the_table(tmp_path):
+    suite = _tiny_suite()
+    suite.seeds = [0]
+    run_suite(suite, tmp_path, methods=["MOON"], log=lambda _: None)
+    results = run_suite(suite, tmp_path, methods=["FedAvg"], log=lambda _: None)
+    assert results["methods"]["MOON"]["seeds"] == 1 and results["methods"]["FedAvg"]["seeds"] == 1
+    table = (tmp_path / "results.md").read_text()
+    assert "| MOON |" in table and "| FedAvg |" in table and "-" not in table.splitlines()[2].split("|")[2]
+
+
+def test_failed_run_is_not_reused_and_resumes(tmp_path, monkeypatch):
+    """An exception in round 4 marks the run failed (not completed); the next suite call
+    resumes it from its checkpoint, and it ends with the metrics of an unbroken run."""
+    from contrafl.engine.simulation import Simulation
+
+    suite = Suite(name="f", base={"rounds": 5, "local_epochs": 1, "num_clients": 4, "executor": "sequential"},
+                  methods={"SCAFFOLD": {"algorithm": "scaffold"}})
+    clean = run_suite(suite, tmp_path / "clean", log=lambda _: None)
+    original = Simulation.run_round
+
+    def broken(self, t):
+        if t == 3:
+            raise RuntimeError("injected failure")
+        return original(self, t)
+
+    monkeypatch.setattr(Simulation, "run_round", broken)
+    log = []
+    results = run_suite(suite, tmp_path / "s", log=log.append)
+    assert results["failed"] == ["SCAFFOLD seed 0"] and results["methods"]["SCAFFOLD"]["seeds"] == 0
+    assert any("FAILED: RuntimeError: injected failure" in line for line in log)
+    summary = json.loads((tmp_path / "s" / "SCAFFOLD" / "seed0" / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["error"] == "RuntimeError: injected failure"
+    assert summary["rounds_completed"] == 3
+    monkeypatch.setattr(Simulation, "run_round", original)
+    log.clear()
+    again = run_suite(suite, tmp_path / "s", log=log.append)
+    assert any("resumed after round 3" in line for line in log)
+    assert again["methods"]["SCAFFOLD"]["test_acc"] == clean["methods"]["SCAFFOLD"]["test_acc"]
+    a = (tmp_path / "clean" / "SCAFFOLD" / "seed0" / "metrics.jsonl").read_bytes()
+    assert (tmp_path / "s" / "SCAFFOLD" / "seed0" / "metrics.jsonl").read_bytes() == a
+
+
+def test_seed_override_is_refused_with_the_fix(tmp_path):
+    with pytest.raises(ConfigError, match=r"--seeds 7,"):
+        run_suite(_tiny_suite(), tmp_path, ["seed=7"])
+
+
+def test_relative_data_dir_is_relative_to_the_suite_file(tmp_path, monkeypatch):
+    folder = tmp_path / "suites" / "x"
+    folder.mkdir(parents=True)
+    (folder / "s.yaml").write_text(yaml.safe_dump({
+        "name": "s", "base": {"dataset": "cifar10", "data_dir": "../data"}, "methods": {"A": {}},
+    }))
+    suite = load_suite(folder / "s.yaml")
+    assert suite.base["data_dir"] == str(tmp_path / "suites" / "data")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match=re.escape(f"data_dir={tmp_path / 'suites' / 'data'} does not exist")):
+        run_suite(suite, tmp_path / "out")
+
+
+def test_suite_cli_prints_one_line_on_ctrl_c(tmp_path, capsys, monkeypatch):
+    from contrafl.engine.simulation import Simulation
+
+    def interrupted(self, t):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Simulation, "run_round", interrupted)
+    code = main(["compare", "fedavg", "moon", "rounds=2", "local_epochs=1", "--out", str(tmp_path)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 130 and len(err) == 1
+    assert err[0].startswith("contrafl: interrupted by SIGINT during fedavg seed 0")
+    summary = json.loads((tmp_path / "fedavg" / "seed0" / "summary.json").read_text())
+    assert summary["status"] == "interrupted"

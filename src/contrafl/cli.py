@@ -14,13 +14,17 @@ import dataclasses
 import json
 import sys
 import textwrap
+import traceback
 from pathlib import Path
 
 from . import __version__
 from .config import COMPONENTS, Config, load_config, parse_overrides
-from .errors import ContraflError
+from .errors import ClientUpdateError, ContraflError
 
-EXIT_USAGE = 2
+# Exit statuses (README, "Exit status"): 128 + N for a run stopped by signal N.
+EXIT_FAILED = 1  # an unexpected error (a bug, out of memory, a full disk): traceback shown
+EXIT_USAGE = 2  # invalid input: configuration, data files, command line
+EXIT_DIVERGED = 3  # a client update was rejected and on_bad_update=stop
 
 
 def _settings_help() -> str:
@@ -51,6 +55,8 @@ def _split_run_args(args: list[str]) -> tuple[str | None, list[str]]:
 
 
 def cmd_run(ns: argparse.Namespace) -> int:
+    if ns.resume:
+        return resume_run(ns)
     config_path, overrides = _split_run_args(ns.args)
     cfg = load_config(config_path, overrides)  # before the slow imports: quick errors
 
@@ -63,28 +69,95 @@ def cmd_run(ns: argparse.Namespace) -> int:
     cfg = setup.config
     path = Path(ns.out) if ns.out else default_run_dir(cfg.algorithm.name, cfg.dataset.name)
     run_dir = RunDir(path)
-    out = sys.stdout
     if not ns.quiet:
         sizes = [len(r) for r in setup.partition.train]
         print(
             f"contrafl {__version__}: {cfg.algorithm.name} on {cfg.dataset.name} "
             f"({len(setup.data.train)} train / {len(setup.data.test)} test), model {cfg.model.name}, "
             f"{cfg.num_clients} clients ({cfg.partition.name}; {min(sizes)}-{max(sizes)} samples each), "
-            f"{cfg.rounds} rounds x {cfg.local_epochs} local epochs, device {setup.device.type}",
-            file=out,
+            f"{cfg.rounds} rounds x {cfg.local_epochs} local epochs, {cfg.executor} executor on {setup.device.type}"
         )
-        print(f"run directory: {run_dir.path}", file=out)
-    sim = Simulation(setup, run_dir, None if ns.quiet else Progress(cfg.rounds, out))
+        print(f"run directory: {run_dir.path}")
+    _warn(setup.warnings)
+    sim = Simulation(setup, run_dir, None if ns.quiet else Progress(cfg.rounds, sys.stdout))
+    return run_simulation(sim, ns.quiet)
+
+
+def resume_run(ns: argparse.Namespace) -> int:
+    """``contrafl run --resume RUN_DIR [KEY=VALUE...]``: continue from the last checkpoint."""
+    from .config import EXECUTION_SETTINGS
+    from .engine.progress import Progress
+    from .engine.run_dir import RunDir
+    from .engine.setup import prepare
+    from .engine.simulation import Simulation, load_checkpoint
+
+    config_path, overrides = _split_run_args(ns.args)
+    if config_path is not None or ns.out:
+        raise ContraflError(
+            "--resume continues a run with the config.yaml of its run directory; give no CONFIG or --out, "
+            f"only overrides of where it runs ({', '.join(EXECUTION_SETTINGS)})"
+        )
+    for key, value in parse_overrides(overrides):
+        if key not in EXECUTION_SETTINGS:
+            raise ContraflError(
+                f"{key}={value} would change what the resumed run computes; a resumed run takes only "
+                f"{', '.join(EXECUTION_SETTINGS)} (start a new run to change {key})"
+            )
+    run_dir = RunDir(Path(ns.resume), resume=True)
+    cfg = load_config(run_dir.path / "config.yaml", overrides)
+    checkpoint = load_checkpoint(run_dir.path)
+    if checkpoint is not None and checkpoint["round"] >= cfg.rounds:
+        print(f"{run_dir.path} has completed all {cfg.rounds} rounds; nothing to resume")
+        return 0
+    setup = prepare(cfg)
+    partition = run_dir.path / "partition.json"
+    if partition.is_file() and partition.read_text() != json.dumps(setup.partition.to_json()):
+        raise ContraflError(
+            f"the data gives another partition than {partition} (different dataset files?); "
+            "resume with the data the run started with"
+        )
+    sim = Simulation(setup, run_dir, None if ns.quiet else Progress(setup.config.rounds, sys.stdout))
+    if checkpoint is not None:
+        sim.restore(checkpoint)
+    else:
+        run_dir.truncate(0, [])
+    if not ns.quiet:
+        print(f"resuming {run_dir.path} after round {sim.rounds_done} of {setup.config.rounds}")
+    _warn(setup.warnings)
+    return run_simulation(sim, ns.quiet)
+
+
+def run_simulation(sim, quiet: bool) -> int:
+    """Run ``sim`` and turn how it ended into a message and an exit status."""
+    from .engine.signals import exit_code, signal_name
+
+    where = sim.run_dir.path
     try:
         summary = sim.run()
-    except KeyboardInterrupt:
-        print(f"\ninterrupted after round {sim.rounds_done}; results so far are in {run_dir.path}", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as exc:
+        print(f"\ninterrupted by {signal_name(exc)} after round {sim.rounds_done}; {_resume_hint(sim)}", file=sys.stderr)
+        return exit_code(exc)
+    except ClientUpdateError as exc:
+        print(f"contrafl: error: {exc} (results up to round {sim.rounds_done} are in {where})", file=sys.stderr)
+        return EXIT_DIVERGED
     except ContraflError as exc:
-        raise ContraflError(f"{exc} (results up to round {sim.rounds_done} are in {run_dir.path})") from None
-    if not ns.quiet:
-        print(format_summary(summary), file=out)
+        raise ContraflError(f"{exc} (results up to round {sim.rounds_done} are in {where})") from None
+    except Exception:
+        traceback.print_exc()
+        print(f"contrafl: the run failed in round {sim.rounds_done + 1} (error above); {_resume_hint(sim)}", file=sys.stderr)
+        return EXIT_FAILED
+    if not quiet:
+        print(format_summary(summary))
     return 0
+
+
+def _resume_hint(sim) -> str:
+    return f"`contrafl run --resume {sim.run_dir.path}` continues from round {sim.checkpointed + 1}"
+
+
+def _warn(warnings: list[str]) -> None:
+    for w in warnings:
+        print(f"contrafl: warning: {w}", file=sys.stderr)
 
 
 def format_summary(summary: dict) -> str:
@@ -189,21 +262,18 @@ def cmd_report(ns: argparse.Namespace) -> int:
 
 
 def cmd_experiment(ns: argparse.Namespace) -> int:
-    from .eval.suite import format_table, load_suite, run_suite
+    from .eval.suite import load_suite
 
     suite = load_suite(Path(ns.file))
     if ns.seeds:
         suite.seeds = _seeds(ns.seeds)
     out = Path(ns.out) if ns.out else Path("runs") / "experiments" / Path(ns.file).stem
     methods = ns.methods.split(",") if ns.methods else None
-    results = run_suite(suite, out, ns.overrides, methods)
-    print(format_table(suite, results))
-    print(f"results: {out / 'results.md'}, curves: {out / 'curves.png'}")
-    return 0
+    return _run_suite(suite, out, ns.overrides, methods, f"results: {out / 'results.md'}, curves: {out / 'curves.png'}")
 
 
 def cmd_compare(ns: argparse.Namespace) -> int:
-    from .eval.suite import Suite, format_table, run_suite
+    from .eval.suite import Suite
 
     algorithms = [a for a in ns.args if "=" not in a]
     if len(algorithms) < 2:
@@ -224,9 +294,30 @@ def cmd_compare(ns: argparse.Namespace) -> int:
         target={"from": algorithms[0]},
     )
     out = Path(ns.out) if ns.out else Path("runs") / ("compare-" + "-".join(algorithms))
-    results = run_suite(suite, out, overrides)
+    done = f"rounds to {algorithms[0]}'s final accuracy in the last column; runs and curves in {out}"
+    return _run_suite(suite, out, overrides, None, done)
+
+
+def _run_suite(suite, out: Path, overrides: list[str], methods: list[str] | None, done: str) -> int:
+    """Run a suite with progress; its table, or one line when it is interrupted."""
+    from .engine.signals import exit_code, signal_name
+    from .eval.suite import format_table, run_suite
+
+    try:
+        results = run_suite(suite, out, overrides, methods, progress=sys.stdout)
+    except KeyboardInterrupt as exc:
+        where = getattr(exc, "where", None)
+        print(
+            f"\ncontrafl: interrupted by {signal_name(exc)}{' during ' + where if where else ''}; "
+            "run the same command again to continue (finished runs are reused, stopped ones resume)",
+            file=sys.stderr,
+        )
+        return exit_code(exc)
     print(format_table(suite, results))
-    print(f"rounds to {algorithms[0]}'s final accuracy in the last column; runs and curves in {out}")
+    print(done)
+    if results["failed"]:
+        print(f"contrafl: {len(results['failed'])} runs failed: {', '.join(results['failed'])} (see above)", file=sys.stderr)
+        return EXIT_FAILED
     return 0
 
 
@@ -266,7 +357,12 @@ def build_parser() -> argparse.ArgumentParser:
               contrafl run algorithm=moon algorithm.mu=5 rounds=20
               contrafl run dataset=cifar10 data_dir=DIR allow_subset=true rounds=5
             The run directory holds config.yaml (resolved), partition.json, metrics.jsonl,
-            summary.json and checkpoint.pt."""
+            summary.json (with the run's status) and the checkpoint of the last round
+            (checkpoint.pt, client-state/); a stopped run continues with
+              contrafl run --resume RUN_DIR
+            Exit status: 0 completed, 1 failed (unexpected error), 2 invalid input,
+            3 a client update was rejected (on_bad_update=stop), 128+N stopped by
+            signal N (130 Ctrl-C, 143 SIGTERM)."""
         ),
         epilog=_settings_help(),
         formatter_class=fmt,
@@ -274,7 +370,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("args", nargs="*", metavar="[CONFIG] KEY=VALUE", help="config file and overrides")
     run.add_argument("--out", metavar="DIR", help="run directory (default: runs/<time>-<algorithm>-<dataset>)")
     run.add_argument("--quiet", action="store_true", help="print nothing; results go to the run directory")
-    run.set_defaults(func=cmd_run)
+    run.add_argument("--resume", metavar="RUN_DIR",
+                     help="continue a stopped run from its last checkpoint (KEY=VALUE: only where it runs, e.g. executor, device)")
+    run.set_defaults(func=cmd_run, settings_dest="args")
 
     lst = sub.add_parser("list", help="list algorithms, datasets, partitions, models, augmentations",
                          description="List what can be chosen, with options and defaults.")
@@ -306,7 +404,7 @@ def build_parser() -> argparse.ArgumentParser:
     part.add_argument("args", nargs="*", metavar="[CONFIG] KEY=VALUE")
     part.add_argument("--out", metavar="PNG", help="heatmap path (default: partition-<dataset>-<method>.png)")
     part.add_argument("--json", metavar="FILE", help="also save the partition as JSON")
-    part.set_defaults(func=cmd_partition)
+    part.set_defaults(func=cmd_partition, settings_dest="args")
 
     exp = sub.add_parser(
         "experiment",
@@ -325,7 +423,7 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--out", metavar="DIR", help="output directory (default: runs/experiments/<file name>)")
     exp.add_argument("--seeds", help="number of seeds (3) or list (0,1,2; one seed: 4,); default: the file's")
     exp.add_argument("--methods", help="comma-separated subset of the file's methods")
-    exp.set_defaults(func=cmd_experiment)
+    exp.set_defaults(func=cmd_experiment, settings_dest="overrides")
 
     cmp_ = sub.add_parser(
         "compare",
@@ -343,7 +441,7 @@ def build_parser() -> argparse.ArgumentParser:
     cmp_.add_argument("args", nargs="+", metavar="ALGORITHM|KEY=VALUE")
     cmp_.add_argument("--seeds", default="1", help="number of seeds (default 1) or list (0,1,2; one seed: 4,)")
     cmp_.add_argument("--out", metavar="DIR", help="output directory (default: runs/compare-<algorithms>)")
-    cmp_.set_defaults(func=cmd_compare)
+    cmp_.set_defaults(func=cmd_compare, settings_dest="args")
 
     rep = sub.add_parser("report", help="summarise finished runs",
                          description="Final and best accuracy of runs, and rounds to reach a target accuracy (MOON Table 2).")
@@ -354,14 +452,31 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """Parse ``argv`` with KEY=VALUE settings accepted before or after options
+    (``contrafl run --out DIR rounds=3``): argparse leaves those after an option unparsed,
+    and they join the command's own list of settings."""
+    ns, extra = parser.parse_known_args(argv)
+    dest = getattr(ns, "settings_dest", None)
+    stray = [a for a in extra if dest is None or a.startswith("-") or "=" not in a]
+    if stray:
+        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+    if extra:
+        setattr(ns, dest, [*getattr(ns, dest), *extra])
+    return ns
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    ns = parser.parse_args(argv)
+    ns = parse_args(parser, argv)
     try:
         return ns.func(ns)
     except ContraflError as exc:
         print(f"contrafl: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("\ncontrafl: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

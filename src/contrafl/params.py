@@ -26,7 +26,7 @@ from typing import Any
 
 from .errors import ConfigError
 
-__all__ = ["Interval", "NoOptions", "OneOf", "param", "build", "describe", "suggest", "to_dict"]
+__all__ = ["Interval", "NoOptions", "OneOf", "param", "build", "describe", "fold", "suggest", "to_dict"]
 
 
 @dataclass(frozen=True)
@@ -59,12 +59,20 @@ class Interval:
 
 @dataclass(frozen=True)
 class OneOf:
-    """A value from a fixed set of choices."""
+    """A value from a fixed set of choices; strings match case-insensitively (see :func:`fold`)."""
 
     choices: tuple
 
     def __call__(self, value: Any) -> bool:
         return value in self.choices
+
+    def canonical(self, value: Any) -> Any:
+        """The choice that ``value`` names (``"SGD"`` -> ``"sgd"``), else ``value`` unchanged."""
+        if isinstance(value, str):
+            for choice in self.choices:
+                if isinstance(choice, str) and fold(choice) == fold(value):
+                    return choice
+        return value
 
     def __str__(self) -> str:
         return "one of " + ", ".join(str(c) for c in self.choices)
@@ -80,10 +88,43 @@ def param(default: Any, check: Any = None, doc: str = "") -> Any:
     return dataclasses.field(default=default, metadata={"check": check, "doc": doc})
 
 
+def fold(name: Any) -> str:
+    """The form under which names match: lower case, ``-`` as ``_`` (``FedSiam-DA`` -> ``fedsiam_da``)."""
+    return str(name).lower().replace("-", "_")
+
+
+def _closeness(word: str, candidate: str) -> float:
+    """How well ``word`` spells ``candidate`` (ratio >= 0.6) or one of its ``_``-separated words
+    (ratio >= 0.8, for words of 3 characters or more); 0 when neither."""
+    whole = difflib.SequenceMatcher(None, word, candidate).ratio()
+    parts = [difflib.SequenceMatcher(None, word, part).ratio() for part in candidate.split("_")]
+    part = max(parts) if len(word) >= 3 else 0.0
+    return max(whole if whole >= 0.6 else 0.0, part if part >= 0.8 else 0.0)
+
+
 def suggest(name: str, candidates: Sequence[str]) -> str:
-    """`` (did you mean 'x'?)`` for the closest candidate, or an empty string."""
-    close = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.6)
-    return f" (did you mean '{close[0]}'?)" if close else ""
+    """`` (did you mean 'x'?)``, or an empty string when no candidate is close.
+
+    Matching ignores case and reads ``-`` as ``_``. A candidate spelled the same way wins; else
+    every candidate containing the typed word (3 characters or more) is listed (``fraction`` ->
+    ``sample_fraction``, ``test_fraction``); else the candidates that spell it, or one of their
+    words, best (``fracton`` -> the same two, ``rouns`` -> ``rounds``).
+    """
+    folded = {fold(c): str(c) for c in candidates}
+    word = fold(name)
+    if word in folded:
+        close = [folded[word]]
+    elif len(word) >= 3 and any(word in f for f in folded):
+        close = sorted(c for f, c in folded.items() if word in f)
+    else:
+        scores = {c: _closeness(word, f) for f, c in folded.items()}
+        best = max(scores.values(), default=0.0)
+        close = sorted(c for c, score in scores.items() if score == best > 0)
+    if not close:
+        return ""
+    quoted = [f"'{c}'" for c in close]
+    listed = quoted[0] if len(quoted) == 1 else f"{', '.join(quoted[:-1])} or {quoted[-1]}"
+    return f" (did you mean {listed}?)"
 
 
 def _type_name(tp: Any) -> str:
@@ -114,7 +155,7 @@ def _convert(value: Any, tp: Any) -> Any:
                 return _convert(value, arg)
             except ValueError as exc:
                 errors.append(str(exc))
-        raise ValueError(" or ".join(_type_name(a) for a in args if a is not type(None)))
+        raise ValueError(" or ".join(errors))
     if origin in (tuple, list):
         (item,) = typing.get_args(tp)[:1] or (Any,)
         if isinstance(value, str):
@@ -148,16 +189,15 @@ def _convert(value: Any, tp: Any) -> Any:
                 return int(f)
         raise ValueError(_type_name(int))
     if tp is float:
-        if isinstance(value, bool):
+        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
             raise ValueError(_type_name(float))
-        if isinstance(value, (int, float)):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                raise ValueError(_type_name(float)) from None
-        raise ValueError(_type_name(float))
+        try:
+            number = float(value)
+        except (ValueError, OverflowError):
+            raise ValueError(_type_name(float)) from None
+        if not math.isfinite(number):
+            raise ValueError("a finite number")
+        return number
     if tp is str:
         if isinstance(value, (dict, list)):
             raise ValueError(_type_name(str))
@@ -182,7 +222,7 @@ def build(cls: type, values: Mapping[str, Any] | None, where: str) -> Any:
     if unknown:
         known = ", ".join(sorted(fields)) or "none"
         raise ConfigError(
-            f"unknown option '{key(unknown[0])}'{suggest(unknown[0], list(fields))}; "
+            f"unknown option {key(unknown[0])!r}{suggest(unknown[0], list(fields))}; "
             f"valid options{' of ' + where if where else ''} are: {known}"
         )
     kwargs = {}
@@ -195,9 +235,12 @@ def build(cls: type, values: Mapping[str, Any] | None, where: str) -> Any:
                 f"{key(name)}={value!r} is invalid: expected {exc}; set it with {key(name)}=VALUE"
             ) from None
         check = f.metadata.get("check")
+        if isinstance(check, OneOf):
+            converted = check.canonical(converted)
         if check is not None and converted is not None and not check(converted):
+            close = suggest(str(value), [str(c) for c in check.choices]) if isinstance(check, OneOf) else ""
             raise ConfigError(
-                f"{key(name)}={value!r} is invalid: expected {check}; set it with {key(name)}=VALUE"
+                f"{key(name)}={value!r} is invalid: expected {check}{close}; set it with {key(name)}=VALUE"
             )
         kwargs[name] = converted
     return cls(**kwargs)

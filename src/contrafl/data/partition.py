@@ -47,7 +47,7 @@ MAX_ATTEMPTS = 1000
 """Resampling attempts of ``dirichlet`` and ``quantity`` before giving up on ``min_size``."""
 
 _POSITIVE = P.Interval(0, None, "neither")
-_MIN_SIZE_DOC = "redraw until every client holds at least this many samples"
+_MIN_SIZE_DOC = "redraw until every client holds at least this many samples (and at least 1)"
 
 
 @dataclass(frozen=True)
@@ -140,11 +140,17 @@ def _check_min_size(req: SplitRequest) -> None:
         )
 
 
+def _least(req: SplitRequest) -> int:
+    """The fewest samples a client may hold: ``min_size``, and at least one (a draw that leaves
+    a client empty is redrawn even with ``min_size=0``, where the reference would keep it)."""
+    return max(req.options.min_size, 1)
+
+
 def _give_up(req: SplitRequest) -> ConfigError:
     o = req.options
     return ConfigError(
-        f"no partition with every client holding >= partition.min_size={o.min_size} samples was found in "
-        f"{MAX_ATTEMPTS} draws (beta={o.beta:g}, {req.num_clients} clients, {len(req.labels)} samples); "
+        f"no partition with every client holding >= {_least(req)} samples (partition.min_size={o.min_size}) "
+        f"was found in {MAX_ATTEMPTS} draws (beta={o.beta:g}, {req.num_clients} clients, {len(req.labels)} samples); "
         f"choose a smaller partition.min_size or a larger partition.beta"
     )
 
@@ -175,7 +181,7 @@ def _dirichlet_pass(
 
 
 def _dirichlet(req: SplitRequest) -> list[np.ndarray]:
-    """MOON's label-skew loop, repeated until every client holds ``>= min_size`` samples.
+    """MOON's label-skew loop, repeated until every client holds ``>= max(min_size, 1)`` samples.
 
     For each class ``k`` (samples ``I_k`` shuffled): draw ``p ~ Dir_N(beta)``, set ``p_j = 0`` for
     clients already holding ``>= n/N`` samples, renormalise, and give client ``j`` the slice of
@@ -186,7 +192,7 @@ def _dirichlet(req: SplitRequest) -> list[np.ndarray]:
     by_class = [np.flatnonzero(req.labels == k) for k in range(req.num_classes)]
     for _ in range(MAX_ATTEMPTS):
         result = _dirichlet_pass(by_class, req.num_clients, req.options.beta, req.rng)
-        if result is None or result[1].min() < req.options.min_size:
+        if result is None or result[1].min() < _least(req):
             continue
         parts: list[list[np.ndarray]] = [[] for _ in range(req.num_clients)]
         for idx_k, cuts in result[0]:
@@ -278,7 +284,7 @@ def _quantity(req: SplitRequest) -> list[np.ndarray]:
     """NIID-Bench's quantity skew.
 
     A random permutation of all samples is cut at ``floor(n * sum_{i<=j} q_i)`` with
-    ``q ~ Dir_N(beta)``, redrawing ``q`` until every part holds ``>= min_size`` samples.
+    ``q ~ Dir_N(beta)``, redrawing ``q`` until every part holds ``>= max(min_size, 1)`` samples.
     NIID-Bench tests ``n * q_j >= min_size`` instead, which can leave a part one sample short;
     both draw the same random numbers.
     """
@@ -291,7 +297,7 @@ def _quantity(req: SplitRequest) -> list[np.ndarray]:
         if not total > 0:
             continue
         cuts = (np.cumsum(q / total) * n).astype(int)[:-1]
-        if np.diff(cuts, prepend=0, append=n).min() >= req.options.min_size:
+        if np.diff(cuts, prepend=0, append=n).min() >= _least(req):
             return np.split(idxs, cuts)
     raise _give_up(req)
 
@@ -546,13 +552,13 @@ def make_partition(
     empty = [j for j, idx in enumerate(train) if len(idx) == 0]
     if empty:
         raise ConfigError(
-            f"partition '{method}' leaves client {empty[0]} of {num_clients} without samples; choose fewer "
+            f"partition '{spec.name}' leaves client {empty[0]} of {num_clients} without samples; choose fewer "
             f"clients or other partition.* options (see `contrafl list`)"
         )
     test = None
     if test_fraction > 0:
         train, test = _local_test_split(train, test_fraction, rng)
-    return Partition(method, P.to_dict(opts), int(seed), train, test)
+    return Partition(spec.name, P.to_dict(opts), int(seed), train, test)
 
 
 def format_partition(partition: Partition, labels: np.ndarray, classes: list[str]) -> str:

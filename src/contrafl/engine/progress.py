@@ -7,7 +7,7 @@ import time
 from typing import TextIO
 
 
-def _clock(seconds: float) -> str:
+def clock_text(seconds: float) -> str:
     seconds = int(round(seconds))
     return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
 
@@ -61,7 +61,7 @@ class Progress:
             parts.append(f"acc {row['test_acc']:.4f}")
         if row.get("personal_acc") is not None:
             parts.append(f"personal {row['personal_acc']:.4f}±{row['personal_acc_std']:.4f}")
-        parts.append(f"{per_round:.1f}s/round ETA {_clock(eta)}{self.suffix()}")
+        parts.append(f"{per_round:.1f}s/round ETA {clock_text(eta)}{self.suffix()}")
         self.stream.write(("\r" if self.live else "") + "  ".join(parts) + "\n")
         self.stream.flush()
 

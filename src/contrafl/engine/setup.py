@@ -49,7 +49,7 @@ class Setup:
 
 
 def resolve_device(name: str) -> torch.device:
-    if name == "auto":
+    if P.fold(name) == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
         raise ConfigError("device=cuda but PyTorch sees no CUDA device; use device=cpu or device=auto")
@@ -96,8 +96,8 @@ def check_components(cfg: Config) -> None:
     P.build(algo_cls.Params, cfg.algorithm.options, "algorithm")
     spec = DATASETS.get(cfg.dataset.name)
     P.build(spec.options, cfg.dataset.options, "dataset")
-    split_options(MODELS.get(spec.default_model if cfg.model.name == "auto" else cfg.model.name), cfg.model.options)
-    augment.AUGMENTATIONS.get(spec.augment if cfg.augment == "auto" else cfg.augment)
+    split_options(MODELS.get(spec.default_model if P.fold(cfg.model.name) == "auto" else cfg.model.name), cfg.model.options)
+    augment.AUGMENTATIONS.get(spec.augment if P.fold(cfg.augment) == "auto" else cfg.augment)
     P.build(PARTITIONS.get(cfg.partition.name).options, cfg.partition.options, "partition")
 
 
@@ -111,7 +111,7 @@ def resolve(cfg: Config) -> Config:
     device = resolve_device(cfg.device)
     spec = DATASETS.get(cfg.dataset.name)
     rec = spec.recommended
-    model_spec = MODELS.get(spec.default_model if cfg.model.name == "auto" else cfg.model.name)
+    model_spec = MODELS.get(spec.default_model if P.fold(cfg.model.name) == "auto" else cfg.model.name)
     head, backbone = split_options(model_spec, cfg.model.options)
     partition = PARTITIONS.get(cfg.partition.name)
     cfg = dataclasses.replace(
@@ -120,10 +120,11 @@ def resolve(cfg: Config) -> Config:
         partition=Component(partition.name, P.to_dict(P.build(partition.options, cfg.partition.options, "partition"))),
         model=Component(model_spec.name, {**P.to_dict(head), **P.to_dict(backbone)}),
         algorithm=Component(algo_cls.name, P.to_dict(algo_params)),
+        data_dir=str(Path(cfg.data_dir).expanduser().resolve()) if cfg.data_dir else None,
         rounds=cfg.rounds if cfg.rounds is not None else rec["rounds"],
         local_epochs=cfg.local_epochs if cfg.local_epochs is not None else rec["local_epochs"],
         batch_size=cfg.batch_size if cfg.batch_size is not None else rec["batch_size"],
-        augment=augment.AUGMENTATIONS.canonical(spec.augment if cfg.augment == "auto" else cfg.augment),
+        augment=augment.AUGMENTATIONS.canonical(spec.augment if P.fold(cfg.augment) == "auto" else cfg.augment),
         sample_fraction=cfg.sample_fraction if algo_cls.samples_clients else 1.0,
         server_momentum=(
             cfg.server_momentum if cfg.server_momentum is not None else algo_cls.default_server_momentum

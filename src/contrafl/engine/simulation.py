@@ -18,6 +18,7 @@ never stopped. ``summary.json`` always says how the run stands: ``running``,
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 import time
@@ -113,6 +114,7 @@ class Simulation:
         self.history: list[dict[str, Any]] = []
         self.comm_total: dict[str, dict[str, int]] = {"down": {}, "up": {}}
         self.rounds_done = 0
+        self.checkpointed = 0  # rounds saved in the run directory's checkpoint
         self.wall_time_before = 0.0  # seconds spent before a resume
 
     # -- services for the algorithm's client context ----------------------------------
@@ -140,9 +142,9 @@ class Simulation:
         summary has recorded the run as ``interrupted`` or ``failed``."""
         start = time.perf_counter()
         cfg, run_dir = self.cfg, self.run_dir
-        if run_dir is not None and self.rounds_done == 0:
+        if run_dir is not None:
             run_dir.write_config(self.cfg)
-            self.setup.partition.save(run_dir.path / "partition.json")
+            run_dir.write_text("partition.json", json.dumps(self.setup.partition.to_json()))
         status, error = "running", None
         try:
             with interrupts():
@@ -196,6 +198,7 @@ class Simulation:
             self.run_dir.checkpoint_path,
         )
         self.store.commit(manifest)
+        self.checkpointed = self.rounds_done
         self.run_dir.write_json("summary.json", self.summary("running", seconds))
 
     def restore(self, checkpoint: dict[str, Any]) -> None:
@@ -215,7 +218,7 @@ class Simulation:
         self.store.restore(checkpoint["clients"])
         self.history = list(checkpoint["history"])
         self.comm_total = checkpoint["comm_total"]
-        self.rounds_done = int(checkpoint["round"])
+        self.rounds_done = self.checkpointed = int(checkpoint["round"])
         self.wall_time_before = float(checkpoint["wall_time_s"])
         if self.run_dir is not None:
             self.run_dir.truncate(self.rounds_done, self.history)

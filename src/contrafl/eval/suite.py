@@ -12,8 +12,10 @@ A suite file (``experiments/**/*.yaml``) has::
     target: {from: FedAvg}                           # optional: rounds to reach FedAvg's final
                                                      # accuracy (MOON Table 2), or {accuracy: 0.68}
 
-Every run goes to ``OUT/<method>/seed<k>/`` (a normal run directory); finished runs are
-skipped, so an interrupted suite resumes where it stopped. The table reports the mean
+Every run goes to ``OUT/<method>/seed<k>/`` (a normal run directory). A finished run with
+the same settings (fingerprint) is reused and a stopped one resumes from its checkpoint,
+so an interrupted suite continues where it stopped; a relative ``data_dir`` in the file is
+relative to the file's folder. The table reports the mean
 +- std over seeds of the final global test accuracy; for methods without a global model
 (SOLO) the mean +- std of client accuracies, as MOON's Table 1 does.
 """
@@ -21,16 +23,21 @@ skipped, so an interrupted suite resumes where it stopped. The table reports the
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
+import sys
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import yaml
 
-from ..config import apply_overrides, build_config, merge
+from ..config import apply_overrides, build_config, differences, fingerprint, merge, parse_overrides
+from ..engine.progress import Progress, clock_text
+from ..engine.signals import interrupts
 from ..errors import ConfigError
 from .metrics import last_row, last_value, mean_std, rounds_to_reach
 from .report import read_run
@@ -85,8 +92,8 @@ def load_suite(path: Path) -> Suite:
     return Suite(
         name=data["name"],
         description=data.get("description", ""),
-        base=data.get("base") or {},
-        methods=methods,
+        base=_paths_from(data.get("base") or {}, path.parent),
+        methods={m: _paths_from(v, path.parent) for m, v in methods.items()},
         seeds=[int(s) for s in data.get("seeds", [0])],
         paper=data.get("paper") or {},
         paper_rounds=data.get("paper_rounds") or {},
@@ -94,49 +101,207 @@ def load_suite(path: Path) -> Suite:
     )
 
 
+@dataclass
+class Cell:
+    """One run of a suite: a method with a seed, its resolved configuration, its run
+    directory and what is there already (``new``, ``done``, ``resume``)."""
+
+    method: str
+    seed: int
+    config: Any
+    path: Path
+    state: str = "new"
+    rounds_done: int = 0
+
+
 def run_suite(
     suite: Suite,
     out: Path,
     overrides: Sequence[str] = (),
     methods: Sequence[str] | None = None,
-    runner: Callable[[Any, Path], None] | None = None,
     log: Callable[[str], None] = print,
+    progress: TextIO | None = None,
 ) -> dict[str, Any]:
-    """Run (or resume) every method x seed of ``suite`` into ``out``; return the results."""
-    from ..engine.run_dir import RunDir
-    from ..engine.setup import check_components, check_data_dir, prepare
-    from ..engine.simulation import Simulation
+    """Run (or resume) every method x seed of ``suite`` into ``out``; return the results.
+
+    A run directory is reused when it finished with the same fingerprint
+    (:func:`contrafl.config.fingerprint`) as the configuration asked for now, and resumed
+    from its checkpoint when it stopped early; a run made with other settings is moved
+    to ``<method>/.previous/seed<k>-<fingerprint>`` (and moved back if those settings
+    are asked for again) and run anew. The tables cover every method of the suite whose
+    runs match the current settings, whether run now or before (``methods`` only
+    chooses what to run). A failed run is reported and the suite goes on; Ctrl-C or
+    SIGTERM stop it (a ``KeyboardInterrupt`` whose ``where`` names the run).
+    """
+    from ..engine.setup import check_data_dir, resolve
 
     chosen = list(methods) if methods else list(suite.methods)
     for m in chosen:
         if m not in suite.methods:
             raise ConfigError(f"unknown method '{m}' in {suite.name}; the suite has: {', '.join(suite.methods)}")
-    configs = {(m, s): suite.config(m, s, overrides) for m in chosen for s in suite.seeds}
-    for cfg in configs.values():  # every run's settings are checked before the first starts
-        check_components(cfg)
-        check_data_dir(cfg)
-    total = len(configs)
+    for key, value in parse_overrides(overrides):
+        if key == "seed":
+            raise ConfigError(f"seed={value} is set by the suite for each run; choose seeds with --seeds (--seeds {value}, runs seed {value} alone)")
+    # every run's settings are checked before the first starts
+    configs = {(m, s): resolve(suite.config(m, s, overrides)) for m in suite.methods for s in suite.seeds}
+    cells = [Cell(m, s, configs[m, s], run_path(out, m, s)) for m in chosen for s in suite.seeds]
+    for cell in cells:
+        check_data_dir(cell.config)
     log(f"{suite.name}: {len(chosen)} methods x {len(suite.seeds)} seeds -> {out}")
-    for i, ((method, seed), cfg) in enumerate(configs.items(), start=1):
-        path = run_path(out, method, seed)
-        if _completed(path):
-            log(f"[{i}/{total}] {method} seed {seed}: done before, skipped")
-            continue
-        if path.exists():  # an interrupted run starts again
-            shutil.rmtree(path)
-        log(f"[{i}/{total}] {method} seed {seed} -> {path}")
-        if runner is not None:
-            runner(cfg, path)
-        else:
-            summary = Simulation(prepare(cfg), RunDir(path), None).run()
+    for cell in cells:
+        _inspect(cell, log)
+    clock = SuiteClock(sum(c.config.rounds - c.rounds_done for c in cells if c.state != "done"))
+    failed = []
+    with interrupts():
+        for i, cell in enumerate(cells, start=1):
+            head = f"[{i}/{len(cells)}] {cell.method} seed {cell.seed}"
+            if cell.state == "done":
+                log(f"{head}: done before, reused")
+                continue
+            log(f"{head}{' resumed after round ' + str(cell.rounds_done) if cell.state == 'resume' else ''} -> {cell.path}")
+            try:
+                summary = _run_cell(cell, clock, progress, head)
+            except KeyboardInterrupt as exc:
+                exc.where = f"{cell.method} seed {cell.seed}"  # type: ignore[attr-defined]
+                raise
+            except Exception as exc:  # reported, and the other runs go on
+                failed.append(cell)
+                log(f"{head}: FAILED: {_one_line(exc)}; run the suite again to resume it from its checkpoint")
+                continue
             final = summary.get("final", {})
             acc = final.get("test_acc", final.get("personal_acc"))
-            log(f"    final accuracy {acc:.4f} in {summary['wall_time_s']:.0f}s")
-    results = collect(suite, out, chosen)
+            log(f"{head}: final accuracy {acc:.4f} in {summary['wall_time_s']:.0f}s")
+    results = collect(suite, out, list(suite.methods), {k: fingerprint(c) for k, c in configs.items()})
+    results["failed"] = [f"{c.method} seed {c.seed}" for c in failed]
+    out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     (out / "results.md").write_text(format_table(suite, results) + "\n")
     plot_curves(results, out / "curves.png", title=suite.name)
     return results
+
+
+def _inspect(cell: Cell, log: Callable[[str], None]) -> None:
+    """Decide whether ``cell`` is done, to be resumed or new; set aside a run made with
+    other settings (and bring back one made with these)."""
+    from ..engine.simulation import load_checkpoint
+
+    wanted = fingerprint(cell.config)
+    found = run_fingerprint(cell.path)
+    if found is not None and found != wanted:
+        old = yaml.safe_load((cell.path / "config.yaml").read_text()) if (cell.path / "config.yaml").is_file() else {}
+        changed = differences(old or {}, cell.config.to_dict())
+        aside = cell.path.parent / ".previous" / f"{cell.path.name}-{found}"
+        if aside.exists():
+            shutil.rmtree(aside)
+        aside.parent.mkdir(parents=True, exist_ok=True)
+        cell.path.rename(aside)
+        earlier = cell.path.parent / ".previous" / f"{cell.path.name}-{wanted}"
+        found = None
+        if earlier.exists():
+            earlier.rename(cell.path)
+            found = wanted
+        log(
+            f"{cell.method} seed {cell.seed}: the run in {cell.path} had other settings "
+            f"({'; '.join(changed[:4]) or 'from an older contrafl'}); kept as {aside}, "
+            + ("the earlier run with these settings is back" if found else "running anew")
+        )
+    if found is None:
+        if cell.path.exists():  # started but never got to write its summary
+            shutil.rmtree(cell.path)
+        return
+    summary = read_summary(cell.path)
+    if summary.get("status") == "completed":
+        cell.state = "done"
+        return
+    cell.state = "resume"
+    checkpoint = load_checkpoint(cell.path)
+    cell.rounds_done = checkpoint["round"] if checkpoint is not None else 0
+
+
+def _run_cell(cell: Cell, clock: "SuiteClock", progress: TextIO | None, head: str) -> dict[str, Any]:
+    from ..engine.run_dir import RunDir
+    from ..engine.setup import prepare
+    from ..engine.simulation import Simulation, load_checkpoint
+
+    setup = prepare(cell.config)
+    bar = SuiteProgress(clock, cell.config.rounds, progress, prefix=f"{head}  ") if progress is not None else None
+    if cell.state == "resume":
+        sim = Simulation(setup, RunDir(cell.path, resume=True), bar)
+        checkpoint = load_checkpoint(cell.path)
+        if checkpoint is not None:
+            sim.restore(checkpoint)
+    else:
+        sim = Simulation(setup, RunDir(cell.path), bar)
+    for w in setup.warnings:
+        (progress or sys.stderr).write(f"    warning: {w}\n")
+    return sim.run()
+
+
+def run_fingerprint(path: Path) -> str | None:
+    """The fingerprint of the run in ``path`` (from its summary, else its config), or
+    None when there is no run there."""
+    summary = read_summary(path)
+    if "fingerprint" in summary:
+        return summary["fingerprint"]
+    config = path / "config.yaml"
+    if config.is_file():
+        return fingerprint(yaml.safe_load(config.read_text()) or {})
+    return None
+
+
+def read_summary(path: Path) -> dict[str, Any]:
+    """``summary.json`` of a run directory, or {} (none, or torn by a crash)."""
+    try:
+        return json.loads((Path(path) / "summary.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+class SuiteClock:
+    """Rounds left in a suite and the pace so far, for its ETA."""
+
+    def __init__(self, rounds_left: int) -> None:
+        self.rounds_left = rounds_left
+        self.rounds_done = 0
+        self.start = time.perf_counter()
+
+    def round_done(self) -> None:
+        self.rounds_done += 1
+        self.rounds_left -= 1
+
+    def eta(self) -> float:
+        if not self.rounds_done:
+            return 0.0
+        return (time.perf_counter() - self.start) / self.rounds_done * max(self.rounds_left, 0)
+
+
+class SuiteProgress(Progress):
+    """A run's per-round progress line, with the whole suite's ETA."""
+
+    def __init__(self, clock: SuiteClock, rounds: int, stream: TextIO, prefix: str) -> None:
+        super().__init__(rounds, stream, prefix=prefix)
+        self.clock = clock
+
+    def round_done(self, row: dict) -> None:
+        self.clock.round_done()
+        super().round_done(row)
+
+    def suffix(self) -> str:
+        return f"  suite ETA {clock_text(self.clock.eta())}"
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+
+
+def _paths_from(settings: Any, folder: Path) -> Any:
+    """``settings`` with a relative ``data_dir`` made relative to ``folder`` (the suite
+    file's), so that a suite runs the same from any working directory."""
+    data_dir = settings.get("data_dir") if isinstance(settings, Mapping) else None
+    if isinstance(data_dir, str) and not Path(data_dir).expanduser().is_absolute():
+        return {**settings, "data_dir": os.path.normpath(folder.absolute() / data_dir)}
+    return settings
 
 
 def run_path(out: Path, method: str, seed: int) -> Path:
@@ -149,34 +314,50 @@ def _slug(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.]+", "-", name).strip("-")
 
 
-def _completed(path: Path) -> bool:
-    summary = path / "summary.json"
-    return summary.is_file() and json.loads(summary.read_text()).get("status") == "completed"
+def collect(
+    suite: Suite, out: Path, methods: Sequence[str], fingerprints: Mapping[tuple[str, int], str] | None = None
+) -> dict[str, Any]:
+    """Per method, over its completed runs (those with the fingerprint in
+    ``fingerprints``, when given): the seeds, final accuracy per seed with mean and std,
+    the mean over seeds of the last ``LAST`` evaluated rounds, the mean curve, client
+    accuracies and the rounds each seed needs to reach the suite's target."""
 
+    def usable(method: str, seed: int) -> bool:
+        path = run_path(out, method, seed)
+        if read_summary(path).get("status") != "completed":
+            return False
+        return fingerprints is None or run_fingerprint(path) == fingerprints[method, seed]
 
-def collect(suite: Suite, out: Path, methods: Sequence[str]) -> dict[str, Any]:
-    """Per method: final accuracies per seed, mean curve, client accuracies, rounds to target."""
-    histories = {
-        method: [read_run(p)[1] for p in (run_path(out, method, seed) for seed in suite.seeds) if _completed(p)]
-        for method in methods
-    }
-    finals = {m: [f for f in map(last_value, runs) if f is not None] for m, runs in histories.items()}
+    seeds = {m: [s for s in suite.seeds if usable(m, s)] for m in methods}
+    histories = {m: [read_run(run_path(out, m, s))[1] for s in seeds[m]] for m in methods}
+    finals = {m: [f for f in map(last_value, histories[m]) if f is not None] for m in methods}
     target = _target(suite, finals)
     per_method: dict[str, Any] = {}
-    for method, runs in histories.items():
-        entry: dict[str, Any] = {"seeds": len(runs)}
+    for method in methods:
+        runs = histories[method]
+        entry: dict[str, Any] = {"seeds": len(runs), "seed_list": seeds[method]}
         if finals[method]:
             entry["test_acc"] = finals[method]
             entry["test_acc_mean"], entry["test_acc_std"] = mean_std(finals[method])
+            entry["test_acc_last_mean"] = mean_std([_last_mean(rows, "test_acc") for rows in runs])[0]
             entry["curve"] = _mean_curve(runs, "test_acc")
         personal = [r for r in (last_row(rows, "personal_acc") for rows in runs) if r is not None]
         if personal:
-            entry["personal_acc_mean"], entry["personal_acc_seed_std"] = mean_std([r["personal_acc"] for r in personal])
+            entry["personal_acc"] = [r["personal_acc"] for r in personal]
+            entry["personal_acc_mean"], entry["personal_acc_seed_std"] = mean_std(entry["personal_acc"])
             entry["personal_acc_client_std"] = mean_std([r["personal_acc_std"] for r in personal])[0]
         if target is not None and finals[method]:
             entry["rounds_to_target"] = [rounds_to_reach(rows, target) for rows in runs]
         per_method[method] = entry
     return {"suite": suite.name, "target": target, "methods": per_method}
+
+
+LAST = 5  # rounds averaged in the "mean of the last rounds" column
+
+
+def _last_mean(rows: Sequence[Mapping], key: str) -> float:
+    values = [r[key] for r in rows if r.get(key) is not None][-LAST:]
+    return sum(values) / len(values)
 
 
 def _target(suite: Suite, finals: Mapping[str, list[float]]) -> float | None:
@@ -196,11 +377,17 @@ def _mean_curve(runs: list[list[dict]], key: str) -> list[tuple[int, float]]:
     return [(t, sum(v) / len(v)) for t, v in sorted(by_round.items()) if len(v) == len(runs)]
 
 
-def format_table(suite: Suite, results: Mapping[str, Any]) -> str:
-    """A markdown table: ours (mean ± std over seeds) next to the paper's numbers."""
+def format_table(suite: Suite, results: Mapping[str, Any], detailed: bool = False) -> str:
+    """A markdown table: ours (mean ± std over seeds) next to the paper's numbers.
+
+    ``detailed`` adds the final accuracy of every seed and the mean of the last
+    :data:`LAST` evaluated rounds (the tables of docs/results.md)."""
     target = results.get("target")
+    methods = results["methods"]
     header = ["method", "accuracy (ours)", "seeds"]
-    if any("personal_acc_mean" in e and "test_acc_mean" in e for e in results["methods"].values()):
+    if detailed:
+        header += ["per seed", f"mean of last {LAST} rounds"]
+    if any("personal_acc_mean" in e and "test_acc_mean" in e for e in methods.values()):
         header.append("client accuracy (ours)")
     if suite.paper:
         header.append("paper")
@@ -209,14 +396,19 @@ def format_table(suite: Suite, results: Mapping[str, Any]) -> str:
         if suite.paper_rounds:
             header.append("paper rounds")
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for method, e in results["methods"].items():
+    for method, e in methods.items():
+        seeds = ", ".join(map(str, e.get("seed_list", []))) if detailed else str(e["seeds"])
         if "test_acc_mean" in e:
             acc = f"{100 * e['test_acc_mean']:.2f} ± {100 * e['test_acc_std']:.2f}"
+            per_seed = ", ".join(f"{100 * a:.2f}" for a in e["test_acc"])
         elif "personal_acc_mean" in e:
             acc = f"{100 * e['personal_acc_mean']:.2f} ± {100 * e['personal_acc_client_std']:.2f} (clients)"
+            per_seed = ", ".join(f"{100 * a:.2f}" for a in e.get("personal_acc", [])) + " (client means)"
         else:
-            acc = "-"
-        cells = [method, acc, str(e["seeds"])]
+            acc, per_seed = "-", ""
+        cells = [method, acc, seeds or "-"]
+        if detailed:
+            cells += [per_seed, f"{100 * e['test_acc_last_mean']:.2f}" if "test_acc_last_mean" in e else ""]
         if "client accuracy (ours)" in header:
             cells.append(f"{100 * e['personal_acc_mean']:.2f}" if "personal_acc_mean" in e and "test_acc_mean" in e else "")
         if suite.paper:
