@@ -256,8 +256,13 @@ def cmd_partition(ns: argparse.Namespace) -> int:
 
 def cmd_report(ns: argparse.Namespace) -> int:
     from .eval.report import report
+    from .eval.suite import SUITE_RECORD, suite_report
 
-    print(report([Path(p) for p in ns.runs], target=ns.target, target_from=ns.target_from))
+    paths = [Path(p) for p in ns.runs]
+    if ns.markdown and len(paths) == 1 and (paths[0] / SUITE_RECORD).is_file():
+        print(suite_report(paths[0]))
+        return 0
+    print(report(paths, target=ns.target, target_from=ns.target_from, markdown=ns.markdown))
     return 0
 
 
@@ -443,9 +448,22 @@ def build_parser() -> argparse.ArgumentParser:
     cmp_.add_argument("--out", metavar="DIR", help="output directory (default: runs/compare-<algorithms>)")
     cmp_.set_defaults(func=cmd_compare, settings_dest="args")
 
-    rep = sub.add_parser("report", help="summarise finished runs",
-                         description="Final and best accuracy of runs, and rounds to reach a target accuracy (MOON Table 2).")
+    rep = sub.add_parser(
+        "report",
+        help="summarise runs and suites",
+        description=textwrap.dedent(
+            """\
+            Status, final and best accuracy of runs, and rounds to reach a target accuracy
+            (MOON Table 2). RUN_DIR is a run directory or a directory of runs (a suite's
+            --out), e.g.
+              contrafl report runs/reduced
+              contrafl report runs/reduced --markdown     # the suite's table as in docs/results.md"""
+        ),
+        formatter_class=fmt,
+    )
     rep.add_argument("runs", nargs="+", metavar="RUN_DIR")
+    rep.add_argument("--markdown", action="store_true",
+                     help="markdown output; for one suite directory, its table with per-seed values")
     rep.add_argument("--target", type=float, help="accuracy to reach, e.g. 0.68")
     rep.add_argument("--target-from", metavar="RUN_DIR", help="use this run's final accuracy as the target (e.g. FedAvg's)")
     rep.set_defaults(func=cmd_report)

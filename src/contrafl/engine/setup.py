@@ -168,7 +168,7 @@ def cpu_cores() -> int:
 
 def prepare(cfg: Config) -> Setup:
     """Resolve ``cfg`` (:func:`resolve`), load and partition the data, build the algorithm."""
-    cfg = resolve(cfg)
+    requested, cfg = cfg, resolve(cfg)
     algo_cls = ALGORITHMS.get(cfg.algorithm.name)
     algo_params = P.build(algo_cls.Params, cfg.algorithm.options, "algorithm")
     device = torch.device(cfg.device)
@@ -216,14 +216,15 @@ def prepare(cfg: Config) -> Setup:
         train_transform=augment.AUGMENTATIONS.get(cfg.augment)(data.mean, data.std),
         eval_transform=augment.eval_transform(data.mean, data.std),
         device=device,
-        warnings=setup_warnings(cfg, algo_cls, partition),
+        warnings=setup_warnings(requested, cfg, algo_cls, partition),
     )
 
 
-def setup_warnings(cfg: Config, algo_cls: type[Algorithm], partition: Partition) -> list[str]:
-    """Settings that are valid but probably not what the user meant."""
+def setup_warnings(requested: Config, cfg: Config, algo_cls: type[Algorithm], partition: Partition) -> list[str]:
+    """Settings that are valid but probably not what the user meant (``requested``: as
+    given, ``cfg``: resolved)."""
     out = []
-    if not algo_cls.samples_clients and cfg.sample_fraction < 1:
+    if not algo_cls.samples_clients and requested.sample_fraction < 1:
         out.append(f"{algo_cls.name} trains every client every round; sample_fraction is ignored")
     if cfg.drop_last:
         small = [cid for cid, rows in enumerate(partition.train) if len(rows) < cfg.batch_size]

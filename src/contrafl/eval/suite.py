@@ -22,6 +22,7 @@ relative to the file's folder. The table reports the mean
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -174,6 +175,8 @@ def run_suite(
     results = collect(suite, out, list(suite.methods), {k: fingerprint(c) for k, c in configs.items()})
     results["failed"] = [f"{c.method} seed {c.seed}" for c in failed]
     out.mkdir(parents=True, exist_ok=True)
+    record = {"suite": dataclasses.asdict(suite), "overrides": list(overrides)}
+    (out / SUITE_RECORD).write_text(json.dumps(record, indent=2) + "\n")
     (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     (out / "results.md").write_text(format_table(suite, results) + "\n")
     plot_curves(results, out / "curves.png", title=suite.name)
@@ -302,6 +305,30 @@ def _paths_from(settings: Any, folder: Path) -> Any:
     if isinstance(data_dir, str) and not Path(data_dir).expanduser().is_absolute():
         return {**settings, "data_dir": os.path.normpath(folder.absolute() / data_dir)}
     return settings
+
+
+SUITE_RECORD = "suite.json"  # the suite and overrides of a suite directory's last run
+
+
+def suite_report(out: Path) -> str:
+    """The detailed table of the suite in directory ``out`` (:func:`format_table` with
+    ``detailed``), recomputed from its run directories for the suite definition and
+    overrides recorded there, with the executors that produced the runs."""
+    from ..engine.setup import resolve
+
+    record_path = Path(out) / SUITE_RECORD
+    try:
+        record = json.loads(record_path.read_text())
+        suite = Suite(**record["suite"])
+    except (OSError, ValueError, TypeError, KeyError):
+        raise ConfigError(f"{record_path} is missing or unreadable; run the suite with `contrafl experiment` first") from None
+    configs = {(m, s): resolve(suite.config(m, s, record["overrides"])) for m in suite.methods for s in suite.seeds}
+    results = collect(suite, Path(out), list(suite.methods), {k: fingerprint(c) for k, c in configs.items()})
+    used = [read_run(run_path(Path(out), m, s))[0] for m, e in results["methods"].items() for s in e["seed_list"]]
+    executors = sorted({f"{c.get('executor')} executor, {c.get('workers')} worker(s), {c.get('device')}" for c in used})
+    runs = sum(e["seeds"] for e in results["methods"].values())
+    note = f"{runs} completed runs ({'; '.join(executors)}); regenerate with `contrafl report {out} --markdown`"
+    return format_table(suite, results, detailed=True) + "\n\n" + note
 
 
 def run_path(out: Path, method: str, seed: int) -> Path:

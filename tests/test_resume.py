@@ -1,0 +1,154 @@
+"""Runs killed at any point resume to the metrics of a run that was never stopped.
+
+A `contrafl run` subprocess kills itself with SIGKILL (no handler, no cleanup) at a
+chosen point: in the middle of a round (after some clients' replies, and their states,
+have come back) or in the middle of writing a checkpoint (the client states written,
+the checkpoint file half written). `contrafl run --resume` must then end with a
+metrics.jsonl byte-identical to the uninterrupted run's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from contrafl.cli import main
+
+CLIENTS = 4
+SETTINGS = [f"num_clients={CLIENTS}", "rounds=4", "local_epochs=1", "executor=sequential", "eval_personal=true"]
+
+# Runs the CLI with one function patched to SIGKILL the process at its N-th call.
+KILLER = textwrap.dedent(
+    """
+    import os, signal, sys
+    import torch
+    from contrafl.engine import simulation
+    from contrafl.engine.checkpoint import save_atomic
+    from contrafl import cli
+
+    where, n = sys.argv[1], int(sys.argv[2])
+    calls = 0
+
+    def due():
+        global calls
+        calls += 1
+        return calls == n
+
+    if where == "round":  # after the n-th client reply of the run
+        check = simulation.check_reply
+
+        def check_reply(reply, spec):
+            result = check(reply, spec)
+            if due():
+                os.kill(os.getpid(), signal.SIGKILL)
+            return result
+
+        simulation.check_reply = check_reply
+    else:  # while writing the n-th checkpoint file: half of it on disk, not renamed
+        def torn_save(obj, path):
+            if path.name == "checkpoint.pt" and due():
+                tmp = path.with_name("." + path.name + ".tmp")
+                torch.save(obj, tmp)
+                data = tmp.read_bytes()
+                tmp.write_bytes(data[: len(data) // 2])
+                os.kill(os.getpid(), signal.SIGKILL)
+            save_atomic(obj, path)
+
+        simulation.save_atomic = torn_save
+    sys.exit(cli.main(["run", *sys.argv[3:]]))
+    """
+)
+
+
+def _killed_run(out, where: str, n: int, settings: list[str]) -> None:
+    env = {**os.environ, "PYTHONHASHSEED": "0"}
+    proc = subprocess.run(
+        [sys.executable, "-c", KILLER, where, str(n), "--quiet", "--out", str(out), *settings],
+        capture_output=True, text=True, env=env, timeout=300,
+    )
+    assert proc.returncode == -9, proc.stderr[-2000:]
+
+
+def _uninterrupted(tmp_path, settings):
+    assert main(["run", "--quiet", "--out", str(tmp_path / "clean"), *settings]) == 0
+    return (tmp_path / "clean" / "metrics.jsonl").read_bytes()
+
+
+ALGORITHMS = ["fedavg", "fedprox", "scaffold", "moon", "fedssc", "fedsiam_da", "solo"]
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_killed_in_the_middle_of_a_round_resumes_exactly(tmp_path, algorithm):
+    settings = [f"algorithm={algorithm}", *SETTINGS]
+    clean = _uninterrupted(tmp_path, settings)
+    run = tmp_path / "run"
+    _killed_run(run, "round", 2 * CLIENTS + 2, settings)  # round 3, two clients done
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "running" and summary["rounds_completed"] == 2
+    assert main(["run", "--quiet", "--resume", str(run)]) == 0
+    assert (run / "metrics.jsonl").read_bytes() == clean
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["rounds_completed"] == 4
+
+
+@pytest.mark.parametrize("algorithm", ["moon", "scaffold", "solo"])
+def test_killed_while_writing_a_checkpoint_resumes_exactly(tmp_path, algorithm):
+    settings = [f"algorithm={algorithm}", *SETTINGS]
+    clean = _uninterrupted(tmp_path, settings)
+    run = tmp_path / "run"
+    _killed_run(run, "checkpoint", 3, settings)  # the checkpoint after round 3
+    assert (run / ".checkpoint.pt.tmp").is_file()  # the torn file, never renamed
+    rows = (run / "metrics.jsonl").read_text().splitlines()
+    assert len(rows) == 3  # round 3 was logged, its checkpoint was not written
+    assert main(["run", "--quiet", "--resume", str(run)]) == 0
+    assert (run / "metrics.jsonl").read_bytes() == clean
+
+
+def test_resume_with_checkpoints_every_few_rounds_and_spilled_client_states(tmp_path):
+    """Client states spilled to disk (a tiny memory budget) and a checkpoint every 3
+    rounds: a kill in round 5 resumes from round 3."""
+    settings = ["algorithm=moon", *SETTINGS, "rounds=6", "checkpoint_every=3", "client_memory_gb=1e-6"]
+    clean = _uninterrupted(tmp_path, settings)
+    run = tmp_path / "run"
+    _killed_run(run, "round", 4 * CLIENTS + 1, settings)
+    assert len((run / "metrics.jsonl").read_text().splitlines()) == 4
+    assert main(["run", "--quiet", "--resume", str(run)]) == 0
+    assert (run / "metrics.jsonl").read_bytes() == clean
+    timing = [json.loads(line)["round"] for line in (run / "timing.jsonl").read_text().splitlines()]
+    assert timing == [1, 2, 3, 4, 5, 6]
+
+
+def test_sigterm_records_interrupted_and_resumes(tmp_path):
+    """SIGTERM (what `timeout` and schedulers send) stops with status interrupted, exit
+    143 and a hint; the run then resumes to the uninterrupted metrics."""
+    settings = ["algorithm=scaffold", *SETTINGS]
+    clean = _uninterrupted(tmp_path, settings)
+    run = tmp_path / "run"
+    script = KILLER.replace("os.kill(os.getpid(), signal.SIGKILL)", "os.kill(os.getpid(), signal.SIGTERM)")
+    proc = subprocess.run(
+        [sys.executable, "-c", script, "round", str(2 * CLIENTS + 1), "--quiet", "--out", str(run), *settings],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 143, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1].startswith("interrupted by SIGTERM after round 2")
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and summary["error"] == "stopped by SIGTERM"
+    assert main(["run", "--quiet", "--resume", str(run)]) == 0
+    assert (run / "metrics.jsonl").read_bytes() == clean
+
+
+def test_resume_refuses_settings_that_change_results(tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(["run", "--quiet", "--out", str(run), *SETTINGS, "rounds=2"]) == 0
+    assert main(["run", "--resume", str(run), "lr=0.5"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "lr=0.5 would change what the resumed run computes" in err[0]
+    assert main(["run", "--resume", str(run)]) == 0
+    assert "nothing to resume" in capsys.readouterr().out
+    assert main(["run", "--resume", str(tmp_path / "nope")]) == 2
+    assert "is not a run directory" in capsys.readouterr().err
