@@ -209,3 +209,20 @@ def test_suite_cli_prints_one_line_on_ctrl_c(tmp_path, capsys, monkeypatch):
     assert err[0].startswith("contrafl: interrupted by SIGINT during fedavg seed 0")
     summary = json.loads((tmp_path / "fedavg" / "seed0" / "summary.json").read_text())
     assert summary["status"] == "interrupted"
+
+
+def test_report_update_regenerates_marked_tables(tmp_path, capsys, monkeypatch):
+    suite = _tiny_suite()
+    suite.seeds = [0]
+    run_suite(suite, tmp_path / "s", log=lambda _: None)
+    doc = tmp_path / "results.md"
+    doc.write_text("# Results\n\nprose\n<!-- report s -->\n| stale | table |\n<!-- end report -->\nmore prose\n")
+    monkeypatch.chdir(tmp_path)
+    assert main(["report", "--update", str(doc)]) == 0
+    text = doc.read_text()
+    assert "stale" not in text and text.startswith("# Results\n\nprose\n<!-- report s -->\n| method |")
+    assert "| MOON |" in text and text.endswith("<!-- end report -->\nmore prose\n")
+    assert "regenerate with `contrafl report s --markdown`" in text
+    before = text
+    assert main(["report", "--update", str(doc)]) == 0
+    assert doc.read_text() == before

@@ -258,6 +258,14 @@ def cmd_report(ns: argparse.Namespace) -> int:
     from .eval.report import report
     from .eval.suite import SUITE_RECORD, suite_report
 
+    if ns.update:
+        from .eval.suite import update_tables
+
+        count = update_tables(Path(ns.update))
+        print(f"{ns.update}: {count} tables regenerated from their run directories")
+        return 0
+    if not ns.runs:
+        raise ContraflError("give run directories or a suite directory, e.g. `contrafl report runs/reduced`, or --update FILE")
     paths = [Path(p) for p in ns.runs]
     if ns.markdown and len(paths) == 1 and (paths[0] / SUITE_RECORD).is_file():
         print(suite_report(paths[0]))
@@ -457,13 +465,17 @@ def build_parser() -> argparse.ArgumentParser:
             (MOON Table 2). RUN_DIR is a run directory or a directory of runs (a suite's
             --out), e.g.
               contrafl report runs/reduced
-              contrafl report runs/reduced --markdown     # the suite's table as in docs/results.md"""
+              contrafl report runs/reduced --markdown     # the suite's table as in docs/results.md
+              contrafl report --update docs/results.md    # regenerate every table of that file"""
         ),
         formatter_class=fmt,
     )
-    rep.add_argument("runs", nargs="+", metavar="RUN_DIR")
+    rep.add_argument("runs", nargs="*", metavar="RUN_DIR")
     rep.add_argument("--markdown", action="store_true",
                      help="markdown output; for one suite directory, its table with per-seed values")
+    rep.add_argument("--update", metavar="FILE",
+                     help="regenerate every block '<!-- report SUITE_DIR -->' ... '<!-- end report -->' of a "
+                          "markdown file (docs/results.md) from its suite directory")
     rep.add_argument("--target", type=float, help="accuracy to reach, e.g. 0.68")
     rep.add_argument("--target-from", metavar="RUN_DIR", help="use this run's final accuracy as the target (e.g. FedAvg's)")
     rep.set_defaults(func=cmd_report)

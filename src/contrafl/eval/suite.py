@@ -331,6 +331,22 @@ def suite_report(out: Path) -> str:
     return format_table(suite, results, detailed=True) + "\n\n" + note
 
 
+REPORT_BLOCK = re.compile(r"(<!-- report (?P<dir>\S+) -->\n)(?P<body>.*?)(<!-- end report -->)", re.S)
+
+
+def update_tables(path: Path) -> int:
+    """Regenerate, in the markdown file ``path``, every block between
+    ``<!-- report SUITE_DIR -->`` and ``<!-- end report -->`` with
+    :func:`suite_report` of that suite directory; the number of blocks."""
+    text = Path(path).read_text()
+    blocks = list(REPORT_BLOCK.finditer(text))
+    if not blocks:
+        raise ConfigError(f"{path} has no '<!-- report SUITE_DIR -->' ... '<!-- end report -->' block to regenerate")
+    new = REPORT_BLOCK.sub(lambda m: m.group(1) + suite_report(Path(m.group("dir"))) + "\n" + m.group(4), text)
+    Path(path).write_text(new)
+    return len(blocks)
+
+
 def run_path(out: Path, method: str, seed: int) -> Path:
     """The run directory of ``method`` with ``seed`` in a suite's output directory."""
     return out / _slug(method) / f"seed{seed}"
