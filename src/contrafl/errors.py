@@ -7,6 +7,12 @@ Messages name the offending value, say what was expected and how to fix it.
 """
 
 
+def one_line(exc: BaseException) -> str:
+    """``Type: first line of the message`` of an exception (for summaries and logs)."""
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+
+
 class ContraflError(Exception):
     """Base class of errors caused by user input."""
 

@@ -27,11 +27,12 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.utils import _pytree as pytree
 
 from ..algorithms.base import Reply, ServerState, StateDict, model_state
 from ..algorithms.server_opt import ServerOptimizer
 from ..config import Config, differences, fingerprint
-from ..errors import CheckpointError, ClientUpdateError
+from ..errors import CheckpointError, ClientUpdateError, one_line
 from ..eval.evaluate import evaluate
 from ..eval.metrics import mean_std, rounds_to_reach
 from ..models.base import ModelOutput
@@ -203,7 +204,8 @@ class Simulation:
 
     def restore(self, checkpoint: dict[str, Any]) -> None:
         """Continue from ``checkpoint`` (:func:`load_checkpoint`): server, clients,
-        metrics; the run directory's metrics and timing files are cut back to it."""
+        metrics; the run directory's metrics and timing files are cut back to it. Tensors
+        go to this simulation's device (a run may resume on another one)."""
         if checkpoint.get("format") != CHECKPOINT_FORMAT:
             raise CheckpointError(f"checkpoint format {checkpoint.get('format')!r} is not {CHECKPOINT_FORMAT}; it was written by another contrafl version")
         if checkpoint["fingerprint"] != self.fingerprint:
@@ -213,8 +215,9 @@ class Simulation:
                 + (f" ({'; '.join(changed[:3])})" if changed else "")
                 + "; resume with the run directory's own config.yaml"
             )
-        self.server = ServerState(checkpoint["server"]["model"], checkpoint["server"]["extras"])
-        self.server_opt.load_state_dict(checkpoint["server_optimizer"])
+        on_device = pytree.tree_map_only(torch.Tensor, lambda t: t.to(self.device), checkpoint)
+        self.server = ServerState(on_device["server"]["model"], on_device["server"]["extras"])
+        self.server_opt.load_state_dict(on_device["server_optimizer"])
         self.store.restore(checkpoint["clients"])
         self.history = list(checkpoint["history"])
         self.comm_total = checkpoint["comm_total"]
@@ -397,10 +400,5 @@ class Simulation:
 def load_checkpoint(run_dir: Path) -> dict[str, Any] | None:
     """The checkpoint of a run directory (loaded safely), or None if it has none yet."""
     path = Path(run_dir) / CHECKPOINT
-    return load_safe(path, "checkpoint") if path.is_file() else None
+    return load_safe(path, "checkpoint", map_location="cpu") if path.is_file() else None
 
-
-def one_line(exc: BaseException) -> str:
-    """``Type: first line of the message`` of an exception, for summary.json."""
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__

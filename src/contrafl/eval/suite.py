@@ -39,7 +39,7 @@ import yaml
 from ..config import apply_overrides, build_config, differences, fingerprint, merge, parse_overrides
 from ..engine.progress import Progress, clock_text
 from ..engine.signals import interrupts
-from ..errors import ConfigError
+from ..errors import ConfigError, one_line
 from .metrics import last_row, last_value, mean_std, rounds_to_reach
 from .report import read_run
 
@@ -167,7 +167,7 @@ def run_suite(
                 raise
             except Exception as exc:  # reported, and the other runs go on
                 failed.append(cell)
-                log(f"{head}: FAILED: {_one_line(exc)}; run the suite again to resume it from its checkpoint")
+                log(f"{head}: FAILED: {one_line(exc)}; run the suite again to resume it from its checkpoint")
                 continue
             final = summary.get("final", {})
             acc = final.get("test_acc", final.get("personal_acc"))
@@ -291,11 +291,6 @@ class SuiteProgress(Progress):
 
     def suffix(self) -> str:
         return f"  suite ETA {clock_text(self.clock.eta())}"
-
-
-def _one_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
 
 
 def _paths_from(settings: Any, folder: Path) -> Any:
