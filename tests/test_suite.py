@@ -169,6 +169,7 @@ def test_failed_run_is_not_reused_and_resumes(tmp_path, monkeypatch):
     summary = json.loads((tmp_path / "s" / "SCAFFOLD" / "seed0" / "summary.json").read_text())
     assert summary["status"] == "failed" and summary["error"] == "RuntimeError: injected failure"
     assert summary["rounds_completed"] == 3
+    assert "injected failure" in (tmp_path / "s" / "SCAFFOLD" / "seed0" / "error.txt").read_text()
     monkeypatch.setattr(Simulation, "run_round", original)
     log.clear()
     again = run_suite(suite, tmp_path / "s", log=log.append)

@@ -22,6 +22,7 @@ import json
 import os
 import tempfile
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -169,6 +170,8 @@ class Simulation:
             raise
         except BaseException as exc:
             status, error = "failed", one_line(exc)
+            if run_dir is not None:  # the whole traceback, for a bug report
+                run_dir.write_text("error.txt", traceback.format_exc())
             raise
         finally:
             summary = self.summary(status, time.perf_counter() - start, error)

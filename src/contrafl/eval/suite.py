@@ -167,11 +167,12 @@ def run_suite(
                 raise
             except Exception as exc:  # reported, and the other runs go on
                 failed.append(cell)
-                log(f"{head}: FAILED: {one_line(exc)}; run the suite again to resume it from its checkpoint")
+                log(f"{head}: FAILED: {one_line(exc)} (traceback in {cell.path / 'error.txt'}); "
+                    "run the suite again to resume it from its checkpoint")
                 continue
             final = summary.get("final", {})
             acc = final.get("test_acc", final.get("personal_acc"))
-            log(f"{head}: final accuracy {acc:.4f} in {summary['wall_time_s']:.0f}s")
+            log(f"{head}: final accuracy {'-' if acc is None else f'{acc:.4f}'} in {summary['wall_time_s']:.0f}s")
     results = collect(suite, out, list(suite.methods), {k: fingerprint(c) for k, c in configs.items()})
     results["failed"] = [f"{c.method} seed {c.seed}" for c in failed]
     out.mkdir(parents=True, exist_ok=True)
