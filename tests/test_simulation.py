@@ -19,7 +19,7 @@ def test_run_directory_contents(tmp_path):
     sim = simulate("rounds=3", "eval_every=2", run_dir=RunDir(tmp_path / "run"))
     run = tmp_path / "run"
     assert sorted(p.name for p in run.iterdir()) == [
-        "checkpoint.pt", "config.yaml", "metrics.jsonl", "partition.json", "summary.json", "timing.jsonl"
+        ".lock", "checkpoint.pt", "config.yaml", "metrics.jsonl", "partition.json", "summary.json", "timing.jsonl"
     ]
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["round"] for r in rows] == [1, 2, 3]
@@ -54,6 +54,19 @@ def test_same_seed_same_metrics_and_different_seed_differs(tmp_path):
     c = simulate("rounds=2", "seed=4")
     assert (tmp_path / "a" / "metrics.jsonl").read_bytes() == (tmp_path / "b" / "metrics.jsonl").read_bytes()
     assert a.history != c.history
+
+
+def test_a_run_directory_is_written_by_one_process_at_a_time(tmp_path):
+    import subprocess
+    import sys
+
+    first = RunDir(tmp_path / "r")
+    (tmp_path / "r" / "config.yaml").write_text("{}\n")
+    code = "from contrafl.engine.run_dir import RunDir; RunDir(%r, resume=True)" % str(tmp_path / "r")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode != 0 and "is in use by another contrafl process" in proc.stderr
+    del first  # the lock goes with the object (and with the process, however it ends)
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 
 def test_existing_run_dir_is_not_overwritten(tmp_path):

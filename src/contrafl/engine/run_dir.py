@@ -30,12 +30,33 @@ def default_run_dir(algorithm: str, dataset: str, root: Path = Path("runs")) -> 
 
 
 CHECKPOINT = "checkpoint.pt"
+LOCK = ".lock"
+
+
+def _lock(path: Path) -> Any:
+    """An open file holding an exclusive lock on ``path`` (none where the OS has no flock)."""
+    try:
+        import fcntl
+    except ImportError:  # not on POSIX: no protection against a second process
+        return None
+    handle = open(path, "w")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.close()
+        raise ConfigError(
+            f"run directory {path.parent} is in use by another contrafl process; "
+            "wait for it to finish or stop it, then resume"
+        ) from None
+    return handle
 
 
 class RunDir:
     """Writes the files of one run; never overwrites a previous run.
 
-    ``resume=True`` opens the directory of an earlier run to continue it.
+    ``resume=True`` opens the directory of an earlier run to continue it. While the
+    object lives, the directory is locked (``.lock``, released when the process ends,
+    however it ends), so that two processes never write the same run.
     """
 
     def __init__(self, path: Path, resume: bool = False) -> None:
@@ -43,13 +64,19 @@ class RunDir:
         if resume:
             if not (self.path / "config.yaml").is_file():
                 raise ConfigError(f"{self.path} is not a run directory (no config.yaml); give the directory of a `contrafl run`")
-            return
-        if self.path.exists() and any(self.path.iterdir()):
+        elif self.path.exists() and any(self.path.iterdir()):
             raise ConfigError(
                 f"run directory {self.path} already exists and is not empty; "
                 f"continue it with `contrafl run --resume {self.path}`, or choose another --out"
             )
         self.path.mkdir(parents=True, exist_ok=True)
+        self._lock = _lock(self.path / LOCK)
+
+    def close(self) -> None:
+        """Release the directory's lock (the run is over)."""
+        if self._lock is not None:
+            self._lock.close()
+            self._lock = None
 
     def write_config(self, config: Config) -> None:
         self.write_text("config.yaml", config.to_yaml())

@@ -118,6 +118,7 @@ class Simulation:
         self.rounds_done = 0
         self.checkpointed = 0  # rounds saved in the run directory's checkpoint
         self.wall_time_before = 0.0  # seconds spent before a resume
+        self.checkpoint_seconds = 0.0  # spent writing checkpoints (by this process)
 
     # -- services for the algorithm's client context ----------------------------------
     def initial_state(self, cid: int) -> StateDict:
@@ -177,6 +178,7 @@ class Simulation:
             summary = self.summary(status, time.perf_counter() - start, error)
             if run_dir is not None:
                 run_dir.write_json("summary.json", summary)
+                run_dir.close()
             self.store.close()
         return summary
 
@@ -185,6 +187,7 @@ class Simulation:
         """Write the checkpoint of the rounds done so far (atomically, client states
         first) and the summary that goes with it."""
         assert self.run_dir is not None
+        start = time.perf_counter()
         manifest = self.store.checkpoint()
         save_atomic(
             {
@@ -203,6 +206,7 @@ class Simulation:
         )
         self.store.commit(manifest)
         self.checkpointed = self.rounds_done
+        self.checkpoint_seconds += time.perf_counter() - start
         self.run_dir.write_json("summary.json", self.summary("running", seconds))
 
     def restore(self, checkpoint: dict[str, Any]) -> None:
@@ -396,6 +400,7 @@ class Simulation:
         summary["device"] = str(self.device)
         summary["fingerprint"] = self.fingerprint
         summary["wall_time_s"] = round(seconds, 3)
+        summary["checkpoint_time_s"] = round(self.checkpoint_seconds, 3)
         summary["seconds_per_round"] = round(seconds / self.rounds_done, 3) if self.rounds_done else None
         return summary
 
