@@ -152,3 +152,8 @@ def test_resume_refuses_settings_that_change_results(tmp_path, capsys):
     assert "nothing to resume" in capsys.readouterr().out
     assert main(["run", "--resume", str(tmp_path / "nope")]) == 2
     assert "is not a run directory" in capsys.readouterr().err
+    # a run of an older contrafl (no checkpoint, no fingerprint) is not silently recomputed
+    (run / "checkpoint.pt").unlink()
+    (run / "summary.json").write_text(json.dumps({"status": "interrupted"}))
+    assert main(["run", "--resume", str(run)]) == 2
+    assert "written by an older contrafl" in capsys.readouterr().err

@@ -87,7 +87,7 @@ def resume_run(ns: argparse.Namespace) -> int:
     """``contrafl run --resume RUN_DIR [KEY=VALUE...]``: continue from the last checkpoint."""
     from .config import EXECUTION_SETTINGS
     from .engine.progress import Progress
-    from .engine.run_dir import RunDir
+    from .engine.run_dir import RunDir, read_summary
     from .engine.setup import prepare
     from .engine.simulation import Simulation, load_checkpoint
 
@@ -106,9 +106,15 @@ def resume_run(ns: argparse.Namespace) -> int:
     run_dir = RunDir(Path(ns.resume), resume=True)
     cfg = load_config(run_dir.path / "config.yaml", overrides)
     checkpoint = load_checkpoint(run_dir.path)
-    if checkpoint is not None and checkpoint["round"] >= cfg.rounds:
+    summary = read_summary(run_dir.path)
+    if summary.get("status") == "completed" or (checkpoint is not None and checkpoint["round"] >= cfg.rounds):
         print(f"{run_dir.path} has completed all {cfg.rounds} rounds; nothing to resume")
         return 0
+    if checkpoint is None and "fingerprint" not in summary and (run_dir.path / "metrics.jsonl").is_file():
+        raise ContraflError(
+            f"{run_dir.path} was written by an older contrafl without resumable checkpoints; "
+            "start a new run with its config.yaml"
+        )
     setup = prepare(cfg)
     partition = run_dir.path / "partition.json"
     if partition.is_file() and partition.read_text() != json.dumps(setup.partition.to_json()):

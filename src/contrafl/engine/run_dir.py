@@ -33,6 +33,14 @@ CHECKPOINT = "checkpoint.pt"
 LOCK = ".lock"
 
 
+def read_summary(path: Path) -> dict[str, Any]:
+    """``summary.json`` of a run directory, or {} (none yet)."""
+    try:
+        return json.loads((Path(path) / "summary.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
 def _lock(path: Path) -> Any:
     """An open file holding an exclusive lock on ``path`` (none where the OS has no flock)."""
     try:

@@ -38,6 +38,7 @@ import yaml
 
 from ..config import apply_overrides, build_config, differences, fingerprint, merge, parse_overrides
 from ..engine.progress import Progress, clock_text
+from ..engine.run_dir import read_summary
 from ..engine.signals import interrupts
 from ..errors import ConfigError, one_line
 from .metrics import last_row, last_value, mean_std, rounds_to_reach
@@ -251,14 +252,6 @@ def run_fingerprint(path: Path) -> str | None:
     if config.is_file():
         return fingerprint(yaml.safe_load(config.read_text()) or {})
     return None
-
-
-def read_summary(path: Path) -> dict[str, Any]:
-    """``summary.json`` of a run directory, or {} (none, or torn by a crash)."""
-    try:
-        return json.loads((Path(path) / "summary.json").read_text())
-    except (OSError, ValueError):
-        return {}
 
 
 class SuiteClock:
