@@ -40,7 +40,7 @@ def _tiny_suite():
 def test_run_suite_tables_and_resumes(tmp_path):
     log = []
     results = run_suite(_tiny_suite(), tmp_path, log=log.append)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["FedAvg", "MOON", "curves.png", "results.json", "results.md"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["FedAvg", "MOON", "curves.png", "results.json", "results.md", "suite.json"]
     finals = []
     for seed in (0, 1):
         rows = [json.loads(x) for x in (tmp_path / "MOON" / f"seed{seed}" / "metrics.jsonl").read_text().splitlines()]
