@@ -40,12 +40,17 @@ def read_run(path: Path) -> tuple[dict, list[dict], dict]:
     return config or {}, rows, summary
 
 
-def find_runs(paths: Sequence[Path]) -> list[Path]:
-    """Run directories of ``paths``: each one itself, or the runs below it."""
-    runs: list[Path] = []
-    for path in map(Path, paths):
-        if (path / "metrics.jsonl").is_file():
-            runs.append(path)
+def find_runs(paths: Sequence[Path]) -> list[tuple[Path, str]]:
+    """Run directories of ``paths``, in order, with their names: a run directory itself
+    (named as :func:`run_names` does), or every run below a directory (named by its path
+    below it, ``MOON/seed0``)."""
+    paths = [Path(p) for p in paths]
+    direct = [p for p in paths if (p / "metrics.jsonl").is_file()]
+    names = dict(zip(direct, run_names(direct)))
+    runs: list[tuple[Path, str]] = []
+    for path in paths:
+        if path in names:
+            runs.append((path, names[path]))
             continue
         if not path.is_dir():
             raise ContraflError(f"{path} does not exist; give run directories or a directory of runs (a suite's --out)")
@@ -54,15 +59,15 @@ def find_runs(paths: Sequence[Path]) -> list[Path]:
         )
         if not found:
             raise ContraflError(f"{path} holds no runs (no metrics.jsonl below it); give the --out directory of a run or suite")
-        runs.extend(found)
+        runs.extend((p, str(p.relative_to(path))) for p in found)
     return runs
 
 
 def run_names(runs: Sequence[Path]) -> list[str]:
     """Names that tell the runs apart: their paths below the deepest common folder
     (``MOON/seed0``), or the folder's name for a single run."""
-    if len(runs) == 1:
-        return [Path(runs[0]).name]
+    if len(runs) <= 1:
+        return [Path(r).name for r in runs]
     absolute = [Path(r).absolute() for r in runs]
     common = Path(os.path.commonpath(absolute))
     return [str(p.relative_to(common)) for p in absolute]
@@ -86,7 +91,7 @@ def report(
     if target is not None:
         header += [f"rounds to {target:.4f}"]
     table = [header]
-    for name, path in zip(run_names(runs), runs):
+    for path, name in runs:
         config, rows, summary = read_run(path)
         algo = config.get("algorithm")
         algo = algo.get("name") if isinstance(algo, dict) else algo
