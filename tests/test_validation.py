@@ -50,7 +50,7 @@ def test_norm_outlier_rule_against_the_median():
     median = sorted(norms)[1:3]
     median = sum(median) / 2
     out = norm_outliers(replies, message, factor=5.0)
-    assert list(out) == [3] and f"limit 5" in out[3] and norms[3] > 5 * median
+    assert list(out) == [3] and "limit 5" in out[3] and norms[3] > 5 * median
     assert norm_outliers(replies, message, factor=0.0) == {}
     assert norm_outliers(replies, message, factor=100.0) == {}
 
