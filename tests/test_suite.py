@@ -227,3 +227,30 @@ def test_report_update_regenerates_marked_tables(tmp_path, capsys, monkeypatch):
     before = text
     assert main(["report", "--update", str(doc)]) == 0
     assert doc.read_text() == before
+
+
+def test_run_stopped_before_its_first_checkpoint_restarts_cleanly(tmp_path, monkeypatch):
+    """A run that failed after round 1 with no checkpoint yet (checkpoint_every=5) starts
+    again from round 0 and does not keep its earlier metrics rows twice."""
+    from contrafl.engine.simulation import Simulation
+
+    suite = Suite(name="c", base={"rounds": 3, "local_epochs": 1, "num_clients": 4, "executor": "sequential",
+                                  "checkpoint_every": 5}, methods={"FedAvg": {"algorithm": "fedavg"}})
+    run_suite(suite, tmp_path / "clean", log=lambda _: None)
+    original = Simulation.run_round
+
+    def broken(self, t):
+        if t == 1:
+            raise RuntimeError("injected failure")
+        return original(self, t)
+
+    monkeypatch.setattr(Simulation, "run_round", broken)
+    run_suite(suite, tmp_path / "s", log=lambda _: None)
+    run = tmp_path / "s" / "FedAvg" / "seed0"
+    assert len((run / "metrics.jsonl").read_text().splitlines()) == 1 and not (run / "checkpoint.pt").exists()
+    monkeypatch.setattr(Simulation, "run_round", original)
+    log = []
+    run_suite(suite, tmp_path / "s", log=log.append)
+    assert any("resumed after round 0" in line for line in log)
+    clean = (tmp_path / "clean" / "FedAvg" / "seed0" / "metrics.jsonl").read_bytes()
+    assert (run / "metrics.jsonl").read_bytes() == clean

@@ -124,6 +124,8 @@ def test_malicious_checkpoint_executes_nothing_and_gives_one_line(tmp_path, caps
     payload["history"] = payload["history"][:1]
     payload["server"]["extras"] = {"x": _Exploit(marker)}
     torch.save(payload, run / "checkpoint.pt")
+    summary = json.loads((run / "summary.json").read_text())  # as a run stopped after round 1
+    (run / "summary.json").write_text(json.dumps({**summary, "status": "interrupted", "checkpointed_rounds": 1}))
     torch.load(run / "checkpoint.pt", weights_only=False)  # unsafe loading runs the code...
     assert marker.exists()
     marker.unlink()

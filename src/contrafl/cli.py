@@ -89,7 +89,7 @@ def resume_run(ns: argparse.Namespace) -> int:
     from .engine.progress import Progress
     from .engine.run_dir import RunDir, read_summary
     from .engine.setup import prepare
-    from .engine.simulation import Simulation, load_checkpoint
+    from .engine.simulation import resume
 
     config_path, overrides = _split_run_args(ns.args)
     if config_path is not None or ns.out:
@@ -105,28 +105,17 @@ def resume_run(ns: argparse.Namespace) -> int:
             )
     run_dir = RunDir(Path(ns.resume), resume=True)
     cfg = load_config(run_dir.path / "config.yaml", overrides)
-    checkpoint = load_checkpoint(run_dir.path)
     summary = read_summary(run_dir.path)
-    if summary.get("status") == "completed" or (checkpoint is not None and checkpoint["round"] >= cfg.rounds):
+    if summary.get("status") == "completed" or summary.get("checkpointed_rounds", 0) >= cfg.rounds:
         print(f"{run_dir.path} has completed all {cfg.rounds} rounds; nothing to resume")
         return 0
-    if checkpoint is None and "fingerprint" not in summary and (run_dir.path / "metrics.jsonl").is_file():
+    if not run_dir.checkpoint_path.is_file() and "fingerprint" not in summary and (run_dir.path / "metrics.jsonl").is_file():
         raise ContraflError(
             f"{run_dir.path} was written by an older contrafl without resumable checkpoints; "
             "start a new run with its config.yaml"
         )
     setup = prepare(cfg)
-    partition = run_dir.path / "partition.json"
-    if partition.is_file() and partition.read_text() != json.dumps(setup.partition.to_json()):
-        raise ContraflError(
-            f"the data gives another partition than {partition} (different dataset files?); "
-            "resume with the data the run started with"
-        )
-    sim = Simulation(setup, run_dir, None if ns.quiet else Progress(setup.config.rounds, sys.stdout))
-    if checkpoint is not None:
-        sim.restore(checkpoint)
-    else:
-        run_dir.truncate(0, [])
+    sim = resume(setup, run_dir, None if ns.quiet else Progress(setup.config.rounds, sys.stdout))
     if not ns.quiet:
         print(f"resuming {run_dir.path} after round {sim.rounds_done} of {setup.config.rounds}")
     _warn(setup.warnings)

@@ -382,6 +382,7 @@ class Simulation:
             "algorithm": self.cfg.algorithm.name,
             "dataset": self.cfg.dataset.name,
             "rounds_completed": self.rounds_done,
+            "checkpointed_rounds": self.checkpointed,
             "rounds": self.cfg.rounds,
             "final": {k: v for k, v in last.items() if k not in ("clients", "bytes_down", "bytes_up")},
         }
@@ -403,6 +404,25 @@ class Simulation:
         summary["checkpoint_time_s"] = round(self.checkpoint_seconds, 3)
         summary["seconds_per_round"] = round(seconds / self.rounds_done, 3) if self.rounds_done else None
         return summary
+
+
+def resume(setup: Setup, run_dir: RunDir, progress: Progress | None = None) -> Simulation:
+    """A simulation that continues the run in ``run_dir`` from its last checkpoint, or
+    from round 0 when it has none yet (its per-round files are then emptied). The data
+    must give the partition the run started with."""
+    partition = run_dir.path / "partition.json"
+    if partition.is_file() and partition.read_text() != json.dumps(setup.partition.to_json()):
+        raise CheckpointError(
+            f"the data gives another partition than {partition} (different dataset files?); "
+            "resume with the data the run started with"
+        )
+    sim = Simulation(setup, run_dir, progress)
+    checkpoint = load_checkpoint(run_dir.path)
+    if checkpoint is not None:
+        sim.restore(checkpoint)
+    else:
+        run_dir.truncate(0, [])
+    return sim
 
 
 def load_checkpoint(run_dir: Path) -> dict[str, Any] | None:

@@ -188,8 +188,6 @@ def run_suite(
 def _inspect(cell: Cell, log: Callable[[str], None]) -> None:
     """Decide whether ``cell`` is done, to be resumed or new; set aside a run made with
     other settings (and bring back one made with these)."""
-    from ..engine.simulation import load_checkpoint
-
     wanted = fingerprint(cell.config)
     found = run_fingerprint(cell.path)
     if found is not None and found != wanted:
@@ -219,22 +217,18 @@ def _inspect(cell: Cell, log: Callable[[str], None]) -> None:
         cell.state = "done"
         return
     cell.state = "resume"
-    checkpoint = load_checkpoint(cell.path)
-    cell.rounds_done = checkpoint["round"] if checkpoint is not None else 0
+    cell.rounds_done = summary.get("checkpointed_rounds", 0)
 
 
 def _run_cell(cell: Cell, clock: "SuiteClock", progress: TextIO | None, head: str) -> dict[str, Any]:
     from ..engine.run_dir import RunDir
     from ..engine.setup import prepare
-    from ..engine.simulation import Simulation, load_checkpoint
+    from ..engine.simulation import Simulation, resume
 
     setup = prepare(cell.config)
     bar = SuiteProgress(clock, cell.config.rounds, progress, prefix=f"{head}  ") if progress is not None else None
     if cell.state == "resume":
-        sim = Simulation(setup, RunDir(cell.path, resume=True), bar)
-        checkpoint = load_checkpoint(cell.path)
-        if checkpoint is not None:
-            sim.restore(checkpoint)
+        sim = resume(setup, RunDir(cell.path, resume=True), bar)
     else:
         sim = Simulation(setup, RunDir(cell.path), bar)
     for w in setup.warnings:
