@@ -8,7 +8,7 @@ from contrafl.algorithms import ALGORITHMS
 from contrafl.config import SETTINGS, COMPONENTS, load_config
 from contrafl.data import augment
 from contrafl.data.registry import DATASETS
-from contrafl.engine.setup import check_components, prepare
+from contrafl.engine.setup import prepare, resolve
 from contrafl.errors import ConfigError
 from contrafl.models import MODELS
 from contrafl.registry import Registry
@@ -74,7 +74,7 @@ def test_components_of_any_case_validate_and_resolve_to_canonical_names():
         ["dataset=Digits", "algorithm=MOON", "algorithm.loss=L2", "partition=Dirichlet", "model=MLP",
          "augment=None", "num_clients=4", "rounds=1", "local_epochs=1", "device=CPU"],
     )
-    check_components(cfg)
+    resolve(cfg)
     resolved = prepare(cfg).config
     assert resolved.algorithm.name == "moon" and resolved.algorithm.options["loss"] == "l2"
     assert (resolved.dataset.name, resolved.partition.name, resolved.model.name) == ("digits", "dirichlet", "mlp")

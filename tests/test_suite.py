@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from contrafl.cli import main
-from contrafl.engine.setup import check_components
+from contrafl.engine.setup import resolve
 from contrafl.errors import ConfigError
 from contrafl.eval.metrics import mean_std
 from contrafl.eval.suite import Suite, _slug, format_table, load_suite, run_suite
@@ -22,7 +22,7 @@ def test_every_shipped_suite_is_valid(path):
     assert suite.seeds and suite.methods
     for method in suite.methods:
         cfg = suite.config(method, suite.seeds[0])
-        check_components(cfg)
+        resolve(cfg)
         assert cfg.seed == suite.seeds[0]
 
 

@@ -89,42 +89,33 @@ def check_data_dir(cfg: Config) -> Path | None:
     return data_dir
 
 
-def check_components(cfg: Config) -> None:
-    """Validate every component name and option of ``cfg`` without loading any data
-    (so that a suite of runs fails at once on a typo in its last run)."""
-    algo_cls = ALGORITHMS.get(cfg.algorithm.name)
-    P.build(algo_cls.Params, cfg.algorithm.options, "algorithm")
-    spec = DATASETS.get(cfg.dataset.name)
-    P.build(spec.options, cfg.dataset.options, "dataset")
-    split_options(MODELS.get(spec.default_model if P.fold(cfg.model.name) == "auto" else cfg.model.name), cfg.model.options)
-    augment.AUGMENTATIONS.get(spec.augment if P.fold(cfg.augment) == "auto" else cfg.augment)
-    P.build(PARTITIONS.get(cfg.partition.name).options, cfg.partition.options, "partition")
-
-
 def resolve(cfg: Config) -> Config:
     """``cfg`` with every component validated and canonically named and every ``auto``
-    setting filled in, without loading any data: the configuration a run directory
-    records and fingerprints (:func:`contrafl.config.fingerprint`)."""
-    check_components(cfg)
+    setting filled in, without loading any data (so that a suite of runs fails at once
+    on a typo in its last run): the configuration a run directory records and
+    fingerprints (:func:`contrafl.config.fingerprint`)."""
     algo_cls = ALGORITHMS.get(cfg.algorithm.name)
     algo_params = P.build(algo_cls.Params, cfg.algorithm.options, "algorithm")
-    device = resolve_device(cfg.device)
     spec = DATASETS.get(cfg.dataset.name)
-    rec = spec.recommended
+    dataset_options = P.build(spec.options, cfg.dataset.options, "dataset")
     model_spec = MODELS.get(spec.default_model if P.fold(cfg.model.name) == "auto" else cfg.model.name)
     head, backbone = split_options(model_spec, cfg.model.options)
+    augment_name = augment.AUGMENTATIONS.canonical(spec.augment if P.fold(cfg.augment) == "auto" else cfg.augment)
     partition = PARTITIONS.get(cfg.partition.name)
+    partition_options = P.build(partition.options, cfg.partition.options, "partition")
+    device = resolve_device(cfg.device)
+    rec = spec.recommended
     cfg = dataclasses.replace(
         cfg,
-        dataset=Component(spec.name, P.to_dict(P.build(spec.options, cfg.dataset.options, "dataset"))),
-        partition=Component(partition.name, P.to_dict(P.build(partition.options, cfg.partition.options, "partition"))),
+        dataset=Component(spec.name, P.to_dict(dataset_options)),
+        partition=Component(partition.name, P.to_dict(partition_options)),
         model=Component(model_spec.name, {**P.to_dict(head), **P.to_dict(backbone)}),
         algorithm=Component(algo_cls.name, P.to_dict(algo_params)),
         data_dir=str(Path(cfg.data_dir).expanduser().resolve()) if cfg.data_dir else None,
         rounds=cfg.rounds if cfg.rounds is not None else rec["rounds"],
         local_epochs=cfg.local_epochs if cfg.local_epochs is not None else rec["local_epochs"],
         batch_size=cfg.batch_size if cfg.batch_size is not None else rec["batch_size"],
-        augment=augment.AUGMENTATIONS.canonical(spec.augment if P.fold(cfg.augment) == "auto" else cfg.augment),
+        augment=augment_name,
         sample_fraction=cfg.sample_fraction if algo_cls.samples_clients else 1.0,
         server_momentum=(
             cfg.server_momentum if cfg.server_momentum is not None else algo_cls.default_server_momentum
