@@ -135,7 +135,7 @@ def run_suite(
     chooses what to run). A failed run is reported and the suite goes on; Ctrl-C or
     SIGTERM stop it (a ``KeyboardInterrupt`` whose ``where`` names the run).
     """
-    from ..engine.setup import check_data_dir, resolve
+    from ..engine.setup import check_data_dir
 
     chosen = list(methods) if methods else list(suite.methods)
     for m in chosen:
@@ -144,8 +144,7 @@ def run_suite(
     for key, value in parse_overrides(overrides):
         if key == "seed":
             raise ConfigError(f"seed={value} is set by the suite for each run; choose seeds with --seeds (--seeds {value}, runs seed {value} alone)")
-    # every run's settings are checked before the first starts
-    configs = {(m, s): resolve(suite.config(m, s, overrides)) for m in suite.methods for s in suite.seeds}
+    configs = resolved_configs(suite, overrides)  # every run's settings checked before the first starts
     cells = [Cell(m, s, configs[m, s], run_path(out, m, s)) for m in chosen for s in suite.seeds]
     for cell in cells:
         check_data_dir(cell.config)
@@ -183,6 +182,13 @@ def run_suite(
     (out / "results.md").write_text(format_table(suite, results) + "\n")
     plot_curves(results, out / "curves.png", title=suite.name)
     return results
+
+
+def resolved_configs(suite: Suite, overrides: Sequence[str]) -> dict[tuple[str, int], Any]:
+    """The resolved configuration of every method x seed of ``suite`` (all validated)."""
+    from ..engine.setup import resolve
+
+    return {(m, s): resolve(suite.config(m, s, overrides)) for m in suite.methods for s in suite.seeds}
 
 
 def _inspect(cell: Cell, log: Callable[[str], None]) -> None:
@@ -297,15 +303,13 @@ def suite_report(out: Path) -> str:
     """The detailed table of the suite in directory ``out`` (:func:`format_table` with
     ``detailed``), recomputed from its run directories for the suite definition and
     overrides recorded there, with the executors that produced the runs."""
-    from ..engine.setup import resolve
-
     record_path = Path(out) / SUITE_RECORD
     try:
         record = json.loads(record_path.read_text())
         suite = Suite(**record["suite"])
     except (OSError, ValueError, TypeError, KeyError):
         raise ConfigError(f"{record_path} is missing or unreadable; run the suite with `contrafl experiment` first") from None
-    configs = {(m, s): resolve(suite.config(m, s, record["overrides"])) for m in suite.methods for s in suite.seeds}
+    configs = resolved_configs(suite, record["overrides"])
     results = collect(suite, Path(out), list(suite.methods), {k: fingerprint(c) for k, c in configs.items()})
     used = [read_run(run_path(Path(out), m, s))[0] for m, e in results["methods"].items() for s in e["seed_list"]]
     executors = sorted({f"{c.get('executor')} executor, {c.get('workers')} worker(s), {c.get('device')}" for c in used})
