@@ -10,39 +10,18 @@ problem with the file is one :class:`~contrafl.errors.CheckpointError` line.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from ..errors import CheckpointError
+from .run_dir import write_atomic
 
 
 def save_atomic(obj: Any, path: Path) -> None:
     """``torch.save(obj, path)`` that survives a crash at any point."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
-
-
-def fsync_dir(path: Path) -> None:
-    """Make a rename in ``path`` durable (no-op where directories cannot be opened)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+    write_atomic(path, lambda f: torch.save(obj, f))
 
 
 def load_safe(path: Path, what: str, map_location: Any = None) -> Any:

@@ -24,7 +24,8 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError
-from .checkpoint import fsync_dir, load_safe, save_atomic
+from .checkpoint import load_safe, save_atomic
+from .run_dir import fsync_dir
 
 
 def state_bytes(obj: Any, _seen: set[int] | None = None) -> int:

@@ -12,7 +12,8 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Any
+from collections.abc import Callable
+from typing import Any, BinaryIO
 
 from ..config import Config
 from ..errors import ConfigError
@@ -31,6 +32,34 @@ def default_run_dir(algorithm: str, dataset: str, root: Path = Path("runs")) -> 
 
 CHECKPOINT = "checkpoint.pt"
 LOCK = ".lock"
+
+
+def write_atomic(path: Path, write: Callable[[BinaryIO], Any]) -> None:
+    """Replace ``path`` with what ``write`` writes to a binary file, surviving a crash
+    at any point: a temporary file in the same directory, fsync, rename, fsync of the
+    directory. A reader sees the old file or the new one, never a torn one."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename in ``path`` durable (no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def read_summary(path: Path) -> dict[str, Any]:
@@ -91,12 +120,7 @@ class RunDir:
 
     def write_text(self, name: str, text: str) -> None:
         """Replace file ``name`` atomically."""
-        tmp = self.path / f".{name}.tmp"
-        with open(tmp, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path / name)
+        write_atomic(self.path / name, lambda f: f.write(text.encode()))
 
     def write_json(self, name: str, obj: Any) -> None:
         self.write_text(name, json.dumps(obj, indent=2) + "\n")
