@@ -146,6 +146,21 @@ def test_methods_option_merges_into_the_table(tmp_path):
     assert "| MOON |" in table and "| FedAvg |" in table and "-" not in table.splitlines()[2].split("|")[2]
 
 
+def _fail_in_round(monkeypatch, failing: int):
+    """Make every simulation raise in (0-based) round ``failing``; the original round."""
+    from contrafl.engine.simulation import Simulation
+
+    original = Simulation.run_round
+
+    def broken(self, t):
+        if t == failing:
+            raise RuntimeError("injected failure")
+        return original(self, t)
+
+    monkeypatch.setattr(Simulation, "run_round", broken)
+    return original
+
+
 def test_failed_run_is_not_reused_and_resumes(tmp_path, monkeypatch):
     """An exception in round 4 marks the run failed (not completed); the next suite call
     resumes it from its checkpoint, and it ends with the metrics of an unbroken run."""
@@ -154,14 +169,7 @@ def test_failed_run_is_not_reused_and_resumes(tmp_path, monkeypatch):
     suite = Suite(name="f", base={"rounds": 5, "local_epochs": 1, "num_clients": 4, "executor": "sequential"},
                   methods={"SCAFFOLD": {"algorithm": "scaffold"}})
     clean = run_suite(suite, tmp_path / "clean", log=lambda _: None)
-    original = Simulation.run_round
-
-    def broken(self, t):
-        if t == 3:
-            raise RuntimeError("injected failure")
-        return original(self, t)
-
-    monkeypatch.setattr(Simulation, "run_round", broken)
+    original = _fail_in_round(monkeypatch, 3)
     log = []
     results = run_suite(suite, tmp_path / "s", log=log.append)
     assert results["failed"] == ["SCAFFOLD seed 0"] and results["methods"]["SCAFFOLD"]["seeds"] == 0
@@ -237,14 +245,7 @@ def test_run_stopped_before_its_first_checkpoint_restarts_cleanly(tmp_path, monk
     suite = Suite(name="c", base={"rounds": 3, "local_epochs": 1, "num_clients": 4, "executor": "sequential",
                                   "checkpoint_every": 5}, methods={"FedAvg": {"algorithm": "fedavg"}})
     run_suite(suite, tmp_path / "clean", log=lambda _: None)
-    original = Simulation.run_round
-
-    def broken(self, t):
-        if t == 1:
-            raise RuntimeError("injected failure")
-        return original(self, t)
-
-    monkeypatch.setattr(Simulation, "run_round", broken)
+    original = _fail_in_round(monkeypatch, 1)
     run_suite(suite, tmp_path / "s", log=lambda _: None)
     run = tmp_path / "s" / "FedAvg" / "seed0"
     assert len((run / "metrics.jsonl").read_text().splitlines()) == 1 and not (run / "checkpoint.pt").exists()
