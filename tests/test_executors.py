@@ -81,7 +81,7 @@ def _jobs(global_params, global_buffers, extra=lambda cid, task: None, opt_state
         plan = make_plan(rows, 2, 16, True, tf.sample, 1, generator(0, "plan", cid))
         task = LocalTask(params={"model": dict(global_params)}, buffers={"model": dict(global_buffers)})
         extra(cid, task)
-        jobs.append(Job(cid, task, plan, seed=cid, opt_state=None if opt_state is None else opt_state(cid)))
+        jobs.append(Job(cid, task, [plan], seed=cid, opt_state=None if opt_state is None else opt_state(cid)))
     return x, y, tf, jobs
 
 
@@ -90,9 +90,9 @@ def _compare(stages, optimizer, extra=lambda cid, task: None, opt_state=None):
     params, buffers = _split(model)
     x, y, tf, jobs = _jobs(params, buffers, extra, opt_state)
     net = FunctionalNet(model)
-    seq = SequentialExecutor(Workload(x, y, tf, net, stages, optimizer)).train(jobs)
+    seq = SequentialExecutor(Workload.single(x, y, tf, net, stages, optimizer)).train(jobs)
     x, y, tf, jobs = _jobs(params, buffers, extra, opt_state)
-    vec = VectorizedExecutor(Workload(x, y, tf, net, stages, optimizer), memory_bytes=2**30).train(jobs)
+    vec = VectorizedExecutor(Workload.single(x, y, tf, net, stages, optimizer), memory_bytes=2**30).train(jobs)
     for a, b, n in zip(seq, vec, SIZES):
         assert a.steps == b.steps == 2 * (n // 16)
         for role in a.params:
@@ -187,12 +187,12 @@ def test_chunking_by_memory_gives_the_same_results():
     model = _model()
     params, buffers = _split(model)
     x, y, tf, jobs = _jobs(params, buffers)
-    ex = VectorizedExecutor(Workload(x, y, tf, FunctionalNet(model), [Stage(supervised)], SGD(0.1, 0.9)), 1.0)
+    ex = VectorizedExecutor(Workload.single(x, y, tf, FunctionalNet(model), [Stage(supervised)], SGD(0.1, 0.9)), 1.0)
     assert ex.chunk_size(jobs[0]) == 1  # a tiny budget gives one client per chunk
     ids = {j.cid: j for j in jobs}
     chunked = [r for _, r in ex.run(lambda cid: ids[cid], [0, 1, 2, 3])]
     x, y, tf, jobs = _jobs(params, buffers)
-    whole = VectorizedExecutor(Workload(x, y, tf, FunctionalNet(model), [Stage(supervised)], SGD(0.1, 0.9)), 2**30).train(jobs)
+    whole = VectorizedExecutor(Workload.single(x, y, tf, FunctionalNet(model), [Stage(supervised)], SGD(0.1, 0.9)), 2**30).train(jobs)
     for a, b in zip(chunked, whole):
         for k in a.params["model"]:
             torch.testing.assert_close(a.params["model"][k], b.params["model"][k], rtol=0, atol=1e-5)
@@ -202,8 +202,8 @@ def test_unequal_batch_sizes_are_rejected():
     model = _model()
     params, buffers = _split(model)
     x, y, tf, jobs = _jobs(params, buffers)
-    jobs[0].plan = make_plan(np.arange(70), 1, 16, False, tf.sample, 1, generator(0, "x"))
-    ex = VectorizedExecutor(Workload(x, y, tf, FunctionalNet(model), [Stage(supervised)], SGD(0.1)), 2**30)
+    jobs[0].plans = [make_plan(np.arange(70), 1, 16, False, tf.sample, 1, generator(0, "x"))]
+    ex = VectorizedExecutor(Workload.single(x, y, tf, FunctionalNet(model), [Stage(supervised)], SGD(0.1)), 2**30)
     with pytest.raises(ValueError, match="equal batch sizes"):
         ex.train(jobs)
 
@@ -216,7 +216,7 @@ def test_parallel_executor_matches_sequential():
     model = _model()
     params, buffers = _split(model)
     x, y, tf, jobs = _jobs(params, buffers)
-    workload = Workload(x, y, tf, FunctionalNet(model), [Stage(supervised)], SGD(0.1, 0.9))
+    workload = Workload.single(x, y, tf, FunctionalNet(model), [Stage(supervised)], SGD(0.1, 0.9))
     seq = SequentialExecutor(workload).train(jobs)
     x, y, tf, jobs = _jobs(params, buffers)
     ids = {j.cid: j for j in jobs}
@@ -238,7 +238,7 @@ def test_parallel_executor_reports_worker_failures():
     model = _model()
     params, buffers = _split(model)
     x, y, tf, jobs = _jobs(params, buffers)
-    ex = ParallelExecutor(Workload(x, y, tf, FunctionalNet(model), [Stage(broken)], SGD(0.1)), workers=2)
+    ex = ParallelExecutor(Workload.single(x, y, tf, FunctionalNet(model), [Stage(broken)], SGD(0.1)), workers=2)
     with pytest.raises(RuntimeError, match="boom in a worker"):
         ex.train(jobs)
 

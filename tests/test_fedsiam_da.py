@@ -281,7 +281,7 @@ def test_personal_accuracy_is_the_mean_over_uploaded_local_models():
     assert all("personal_acc" in row and "personal_acc_std" in row for row in sim.history)
     accs = []
     for cid in range(4):
-        state = sim.algorithm.personal_state(sim.store.get(cid)["algorithm"], sim.server)
+        state = sim.store.get(cid)["algorithm"]["model"]
         accs.append(evaluate(sim.net, state, sim.test.x, sim.test.y, sim.setup.eval_transform, 1000)["acc"])
     assert sim.history[-1]["personal_acc"] == pytest.approx(np.mean(accs))
     assert sim.history[-1]["personal_acc_std"] == pytest.approx(np.std(accs))

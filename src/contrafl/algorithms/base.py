@@ -2,12 +2,15 @@
 
 An algorithm says four things and nothing else (the round loop belongs to the engine):
 
-1. what the server sends (:meth:`Algorithm.broadcast`),
+1. what the server sends (:meth:`Algorithm.broadcast`, and
+   :meth:`Algorithm.message_for` where clients get different messages),
 2. the client's local objective (:meth:`Algorithm.client_begin` prepares a
-   :class:`LocalTask`; :meth:`Algorithm.local_loss` or :meth:`Algorithm.stages` give the
-   loss of one batch),
+   :class:`LocalTask`; :meth:`Algorithm.local_loss`, :meth:`Algorithm.stages` or
+   :meth:`Algorithm.phases` give the loss of one batch and how it is optimised),
 3. what the client returns (:meth:`Algorithm.client_end` builds a :class:`Reply`),
-4. how the server aggregates (:meth:`Algorithm.aggregate`).
+4. how the server aggregates (:meth:`Algorithm.aggregate`),
+
+and, for evaluation, which model a client holds (:meth:`Algorithm.personal_model`).
 
 Local objectives are *functions of parameters*: ``local_loss(task, batch, net)`` reads the
 trainable parameters from ``task.params`` and runs the network through ``net`` (a
@@ -63,12 +66,19 @@ class Federation:
 
 
 class ClientContext(Protocol):
-    """What the engine tells an algorithm about the client it is working for."""
+    """What the engine tells an algorithm about the client it is working for.
+
+    ``net`` is the run's functional forward (:class:`Network`), for computations an
+    algorithm makes outside the executor's local training (FedALA's adaptive
+    aggregation, Per-FedAvg's adaptation step at evaluation); ``generator(*key)`` gives
+    a random stream derived from (seed, round, client, key).
+    """
 
     cid: int
     round: int
     num_samples: int
     label_counts: torch.Tensor  # int64 [num_classes], the client's training labels
+    net: "Network"
 
     def initial_state(self) -> StateDict:
         """The client's own random initialisation of the model (built on demand)."""
@@ -76,6 +86,13 @@ class ClientContext(Protocol):
     def predict(self, state: Mapping[str, torch.Tensor]) -> tuple[ModelOutput, torch.Tensor]:
         """Eval-mode forward of ``state`` over the client's training data, without
         augmentation or gradients; returns the outputs and the labels."""
+
+    def train_data(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The client's training samples, normalised without augmentation, and their
+        labels, in the partition's order."""
+
+    def generator(self, *key: object) -> torch.Generator:
+        """A random stream derived from (seed, round, client, ``key``)."""
 
 
 @dataclass
@@ -93,9 +110,13 @@ class LocalTask:
         snapshots: ``{frozen_name: role}``: at the end of every local epoch the engine
             copies the current ``role`` model (parameters and buffers) into
             ``frozen[frozen_name]`` (FedSiam-DA's history model).
+        epochs: this client's epochs of each phase, overriding :attr:`Phase.epochs`
+            (``None``: the phases' own); per-client epochs.
 
     An entry shared by all clients (the same tensor object, e.g. the broadcast global
-    model) is not copied per client by the vectorized executor.
+    model) is not copied per client by the vectorized executor. A role's parameters
+    and buffers together are a (possibly partial) state dict of the run's model: a
+    forward merges the roles it needs, e.g. FedRep's ``{**body, **head}``.
     """
 
     params: dict[str, StateDict]
@@ -103,6 +124,7 @@ class LocalTask:
     frozen: dict[str, StateDict] = field(default_factory=dict)
     consts: dict[str, Any] = field(default_factory=dict)
     snapshots: dict[str, str] = field(default_factory=dict)
+    epochs: tuple[int, ...] | None = None
 
 
 class TaskView(NamedTuple):
@@ -144,12 +166,35 @@ class Stage:
     ``post_step(task)`` optionally returns an additive correction applied to the trained
     parameters after each optimiser step, ``w += post_step(task)[role][name]`` (the
     NIID-Bench form of SCAFFOLD's correction, ``-lr (c - c_i)``); like the loss it must be
-    a function of tensors only.
+    a function of tensors only. ``repeat`` optimiser steps are taken on the same batch
+    (pFedMe's K inner steps).
     """
 
     loss: LossFn
     trains: tuple[str, ...] | None = None
     post_step: Callable[[TaskView], dict[str, StateDict]] | None = None
+    repeat: int = 1
+
+
+@dataclass(frozen=True)
+class Phase:
+    """A block of local training: its stages run on every batch of its own schedule.
+
+    Most algorithms train in one phase of the run's ``local_epochs``. FedRep trains the
+    head for some epochs and then the body; Ditto its personal model, then the global
+    one. A phase has its own number of ``epochs`` (``None``: the run's
+    ``local_epochs``; a client's :attr:`LocalTask.epochs` overrides it), ``batch_size``
+    (``None``: the run's) and optimiser settings, given as overrides of the run's
+    optimiser (``{"name": "sgd", "lr": 0.01, "momentum": 0.0, "weight_decay": 0.0}``,
+    any subset). The parameters a stage does not train keep their values; each phase
+    starts from where the previous one ended.
+    """
+
+    stages: tuple[Stage, ...]
+    epochs: int | None = None
+    batch_size: int | None = None
+    optimizer: Mapping[str, Any] | None = None
+    name: str = "local"
 
 
 @dataclass
@@ -211,6 +256,20 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 @dataclass
+class PersonalModel:
+    """The model a client is evaluated with.
+
+    ``state`` is a full state dict of the run's architecture. ``scores`` maps the model's
+    outputs to class scores ``[B, num_classes]`` whose argmax is the prediction (``None``:
+    the logits, and the loss is their cross-entropy; FedProto scores by the distance to
+    class prototypes).
+    """
+
+    state: StateDict
+    scores: Callable[[ModelOutput], torch.Tensor] | None = None
+
+
+@dataclass
 class ServerState:
     """The server's state: the global model and whatever else the algorithm keeps."""
 
@@ -259,8 +318,15 @@ class Algorithm:
         return ServerState(model)
 
     def broadcast(self, server: ServerState, round: int) -> dict[str, Any]:
-        """The message sent to every sampled client."""
+        """The message of ``round`` (before :meth:`message_for` personalises it)."""
         return {"model": server.model}
+
+    def message_for(self, message: dict[str, Any], server: ServerState, cid: int, round: int) -> dict[str, Any]:
+        """What client ``cid`` receives in ``round``: by default the broadcast itself.
+        Algorithms that send each client its own message (FedAMP's attentive model,
+        FedPAC's combined head) return a different dict; its bytes are counted per
+        client."""
+        return message
 
     def aggregate(self, server: ServerState, replies: list[Reply], round: int) -> ServerState:
         raise NotImplementedError
@@ -282,6 +348,11 @@ class Algorithm:
         params, buffers = self.federation.split(message["model"])
         return LocalTask(params={"model": params}, buffers={"model": buffers})
 
+    def phases(self, round: int) -> list[Phase]:
+        """The phases of local training in ``round``: by default one phase of the run's
+        epochs running :meth:`stages`."""
+        return [Phase(tuple(self.stages(round)))]
+
     def stages(self, round: int) -> list[Stage]:
         return [Stage(self.local_loss)]
 
@@ -295,9 +366,12 @@ class Algorithm:
     ) -> tuple[Reply, dict[str, Any]]:
         raise NotImplementedError
 
-    def personal_state(self, state: dict[str, Any], server: ServerState) -> StateDict | None:
-        """The client's personal model for personalised evaluation, if it has one."""
-        return None
+    def personal_model(self, state: dict[str, Any], message: dict[str, Any], ctx: ClientContext) -> PersonalModel | None:
+        """The model client ``ctx.cid`` is evaluated with when it holds ``state`` and
+        has just received ``message`` (the next round's), without changing ``state``:
+        PFLlib evaluates what each client holds at the start of a round. By default the
+        received global model; ``None`` when the client has nothing to evaluate."""
+        return PersonalModel(message["model"]) if "model" in message else None
 
 
 def model_state(result: TrainResult, role: str = "model") -> StateDict:

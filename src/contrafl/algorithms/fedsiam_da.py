@@ -15,6 +15,7 @@ from ..models.base import ModelOutput
 from .aggregation import sample_weights, weighted_average
 from .base import (
     Algorithm,
+    PersonalModel,
     Batch,
     ClientContext,
     LocalTask,
@@ -212,9 +213,10 @@ class FedSiamDA(Algorithm):
         model = model_state(result, "model")
         return Reply(ctx.cid, ctx.num_samples, {"model": model}), {"model": model}
 
-    def personal_state(self, state: dict[str, Any], server: ServerState) -> StateDict | None:
-        """The client's last uploaded local model ("local accuracy" in the paper)."""
-        return state.get("model")
+    def personal_model(self, state: dict[str, Any], message: dict[str, Any], ctx: ClientContext) -> PersonalModel | None:
+        """The client's last uploaded local model ("local accuracy" in the paper); none
+        before the client first trains."""
+        return PersonalModel(state["model"]) if "model" in state else None
 
     # -- server ------------------------------------------------------------------------
     def aggregate(self, server: ServerState, replies: list[Reply], round: int) -> ServerState:

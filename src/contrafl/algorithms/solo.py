@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .base import Algorithm, ClientContext, LocalTask, Reply, ServerState, StateDict, TrainResult, model_state
+from .base import Algorithm, ClientContext, LocalTask, PersonalModel, Reply, ServerState, TrainResult, model_state
 from .. import params as P
 from .fedavg import FedAvg
 from .registry import ALGORITHMS
@@ -53,5 +53,5 @@ class Solo(Algorithm):
     def reply_spec(self, message: dict[str, Any]) -> dict[str, Any]:
         return {}
 
-    def personal_state(self, state: dict[str, Any], server: ServerState) -> StateDict | None:
-        return state["model"]
+    def personal_model(self, state: dict[str, Any], message: dict[str, Any], ctx: ClientContext) -> PersonalModel:
+        return PersonalModel(state["model"])

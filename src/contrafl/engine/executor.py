@@ -66,13 +66,23 @@ def _slots(model: torch.nn.Module) -> list[tuple[str, dict, str]]:
 
 @dataclass
 class Job:
-    """One client's local training: what to train, on which batches, from which state."""
+    """One client's local training: what to train, on which batches (one plan per phase
+    of the workload), from which optimiser state (one per stage of every phase, in
+    order)."""
 
     cid: int
     task: LocalTask
-    plan: ClientPlan
+    plans: list[ClientPlan]
     seed: int
     opt_state: list[OptState] | None = None
+
+
+@dataclass(frozen=True)
+class PhaseRun:
+    """A phase of local training as the executors run it: its stages and optimiser."""
+
+    stages: tuple[Stage, ...]
+    optimizer: SGD | Adam
 
 
 @dataclass
@@ -83,8 +93,7 @@ class Workload:
         x, y: the training split on the executor's device.
         transform: batched training transform ``(x_raw, params) -> x``.
         net: functional forward of the architecture.
-        stages: the algorithm's stages for this round.
-        optimizer: the client optimiser.
+        phases: the algorithm's phases for this round, each with its optimiser.
         autocast: dtype for mixed precision on CUDA, or None.
     """
 
@@ -92,9 +101,29 @@ class Workload:
     y: torch.Tensor
     transform: Callable[..., torch.Tensor]
     net: FunctionalNet
-    stages: list[Stage]
-    optimizer: SGD | Adam
+    phases: list[PhaseRun]
     autocast: torch.dtype | None = None
+
+    @classmethod
+    def single(cls, x, y, transform, net, stages: list[Stage], optimizer: SGD | Adam, **kw: Any) -> "Workload":
+        """A workload of one phase."""
+        return cls(x, y, transform, net, [PhaseRun(tuple(stages), optimizer)], **kw)
+
+    def init_opt_states(self, task: LocalTask) -> list[OptState]:
+        """Fresh optimiser states of every stage of every phase, in order."""
+        return [
+            phase.optimizer.init([task.params[r][k] for r, k in stage_keys(stage, task)])
+            for phase in self.phases
+            for stage in phase.stages
+        ]
+
+    def opt_slices(self) -> list[slice]:
+        """Where each phase's stage states lie in a job's flat optimiser-state list."""
+        out, start = [], 0
+        for phase in self.phases:
+            out.append(slice(start, start + len(phase.stages)))
+            start += len(phase.stages)
+        return out
 
     def autocast_context(self) -> Any:
         if self.autocast is None or self.x.device.type != "cuda":
@@ -149,54 +178,56 @@ class SequentialExecutor:
         }
         buffers = {role: {k: v.clone() for k, v in sd.items()} for role, sd in task.buffers.items()}
         frozen = dict(task.frozen)
-        keys = [stage_keys(stage, task) for stage in w.stages]
-        tensors = [[params[r][k] for r, k in ks] for ks in keys]
-        states = job.opt_state or [w.optimizer.init(ts) for ts in tensors]
+        states = job.opt_state or w.init_opt_states(task)
         stats: dict[str, torch.Tensor] = {}
         seed_global(job.seed, w.x.device)
-        for step in range(job.plan.steps):
-            rows, aug = job.plan.batch(step)
-            batch = w.inputs(rows, aug)
-            for stage, ks, ts, state in zip(w.stages, keys, tensors, states):
-                with w.autocast_context():
-                    loss, step_stats = stage.loss(TaskView(params, buffers, frozen, task.consts), batch, w.net)
-                grads = torch.autograd.grad(loss, ts, allow_unused=True)
-                w.optimizer.step(ts, list(grads), state)
-                if stage.post_step is not None:
-                    with torch.no_grad():
-                        delta = stage.post_step(TaskView(params, buffers, frozen, task.consts))
-                        torch._foreach_add_(ts, [delta[r][k] for r, k in ks])
-                accumulate(stats, step_stats)
-            if step in job.plan.epoch_ends:
-                for name, role in task.snapshots.items():
-                    frozen[name] = snapshot(params, buffers, role)
-        result = TrainResult(
+        for phase, plan, where in zip(w.phases, job.plans, w.opt_slices()):
+            keys = [stage_keys(stage, task) for stage in phase.stages]
+            tensors = [[params[r][k] for r, k in ks] for ks in keys]
+            for step in range(plan.steps):
+                rows, aug = plan.batch(step)
+                batch = w.inputs(rows, aug)
+                for stage, ks, ts, state in zip(phase.stages, keys, tensors, states[where]):
+                    for _ in range(stage.repeat):
+                        with w.autocast_context():
+                            loss, step_stats = stage.loss(TaskView(params, buffers, frozen, task.consts), batch, w.net)
+                        grads = torch.autograd.grad(loss, ts, allow_unused=True)
+                        phase.optimizer.step(ts, list(grads), state)
+                        if stage.post_step is not None:
+                            with torch.no_grad():
+                                delta = stage.post_step(TaskView(params, buffers, frozen, task.consts))
+                                torch._foreach_add_(ts, [delta[r][k] for r, k in ks])
+                        accumulate(stats, step_stats)
+                if step in plan.epoch_ends:
+                    for name, role in task.snapshots.items():
+                        frozen[name] = snapshot(params, buffers, role)
+        return TrainResult(
             params={r: {k: v.detach() for k, v in sd.items()} for r, sd in params.items()},
             buffers=buffers,
             stats=stats,
-            steps=job.plan.steps,
+            steps=sum(plan.steps for plan in job.plans),
             opt_state=states,
         )
-        return result
 
 
-def used_parameters(workload: Workload, job: Job) -> list[list[bool]]:
-    """For each stage, whether each trained parameter gets a gradient from the loss
-    (probed with autograd on the job's first batch; a loss whose structure does not
-    depend on tensor values, as vectorized losses must be, uses the same ones at every
-    step)."""
-    w, task = workload, job.task
-    if not job.plan.steps:
-        return [[True] * len(stage_keys(stage, task)) for stage in w.stages]
+def used_parameters(workload: Workload, job: Job, phase: int = 0) -> list[list[bool]]:
+    """For each stage of ``phase``, whether each trained parameter gets a gradient from
+    the loss (probed with autograd on the job's first batch of the phase; a loss whose
+    structure does not depend on tensor values, as vectorized losses must be, uses the
+    same ones at every step)."""
+    w, task, plan = workload, job.task, job.plans[phase]
+    stages = w.phases[phase].stages
+    if not plan.steps:
+        return [[True] * len(stage_keys(stage, task)) for stage in stages]
     params = {
         role: {k: v.detach().clone().requires_grad_(True) for k, v in sd.items()} for role, sd in task.params.items()
     }
     buffers = {role: {k: v.clone() for k, v in sd.items()} for role, sd in task.buffers.items()}
-    rows, aug = job.plan.batch(0)
+    rows, aug = plan.batch(0)
     batch = w.inputs(rows, aug)
     seed_global(job.seed, w.x.device)
     used = []
-    for stage in w.stages:
+    for stage in stages:
         ts = [params[r][k] for r, k in stage_keys(stage, task)]
         with w.autocast_context():
             loss, _ = stage.loss(TaskView(params, buffers, dict(task.frozen), task.consts), batch, w.net)

@@ -59,7 +59,7 @@ class ParallelExecutor:
         self.threads = threads
 
     def train(self, jobs: list[Job]) -> list[TrainResult]:
-        shares = balance([j.plan.steps for j in jobs], min(self.workers, len(jobs)))
+        shares = balance([sum(p.steps for p in j.plans) for j in jobs], min(self.workers, len(jobs)))
         if len(shares) <= 1:
             return SequentialExecutor(self.workload).train(jobs)
         ctx = mp.get_context("fork")

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from torch.utils import _pytree as pytree
 
-from ..algorithms.base import Reply, ServerState, StateDict, model_state
+from ..algorithms.base import LocalTask, Phase, Reply, ServerState, StateDict
 from ..algorithms.server_opt import ServerOptimizer
 from ..config import Config, differences, fingerprint
 from ..errors import CheckpointError, ClientUpdateError, one_line
@@ -40,10 +40,10 @@ from ..models.base import ModelOutput
 from .checkpoint import load_safe, save_atomic
 from .client_store import ClientStore
 from .comm import add_bytes, payload_bytes
-from .executor import FunctionalNet, Job, SequentialExecutor, Workload
+from .executor import FunctionalNet, Job, PhaseRun, SequentialExecutor, Workload
 from .optim import make_optimizer
 from .parallel import ParallelExecutor
-from .plan import make_plan
+from .plan import ClientPlan, make_plan
 from .progress import Progress
 from .rng import derive_seed, generator
 from .run_dir import CHECKPOINT, RunDir
@@ -63,12 +63,20 @@ class Context:
         self.round = round
         self.num_samples = len(sim.rows[cid])
         self.label_counts = sim.label_counts[cid]
+        self.net = sim.net
 
     def initial_state(self) -> StateDict:
         return self._sim.initial_state(self.cid)
 
     def predict(self, state) -> tuple[ModelOutput, torch.Tensor]:
         return self._sim.predict(state, self._sim.rows_t[self.cid])
+
+    def train_data(self) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = self._sim.rows_t[self.cid]
+        return self._sim.setup.eval_transform(self._sim.train.x[rows]), self._sim.train.y[rows]
+
+    def generator(self, *key: object) -> torch.Generator:
+        return generator(self._sim.cfg.seed, "client", self.round, self.cid, *key)
 
 
 def make_executor(name: str, workload: Workload, cfg: Config):
@@ -109,7 +117,6 @@ class Simulation:
         else:
             spill = Path(tempfile.gettempdir()) / f"contrafl-{os.getpid()}-{id(self)}"
             self.store = ClientStore(cfg.client_memory_gb * 2**30, spill, self.device)
-        self.optimizer = make_optimizer(cfg.optimizer, cfg.lr, cfg.momentum, cfg.weight_decay)
         self.executor_name = cfg.executor if cfg.executor != "auto" else choose_executor(cfg, type(self.algorithm), self.device)
         self.schedule = sample_schedule(cfg.num_clients, cfg.sample_fraction, cfg.rounds, cfg.seed)
         self.fingerprint = fingerprint(cfg)
@@ -235,57 +242,82 @@ class Simulation:
         if self.progress is not None:
             self.progress.resume_at(self.rounds_done)
 
+    def phase_runs(self, phases: list[Phase]) -> list[PhaseRun]:
+        """The phases with their optimisers (the run's, with each phase's overrides)."""
+        cfg = self.cfg
+        runs = []
+        for phase in phases:
+            o = {"name": cfg.optimizer, "lr": cfg.lr, "momentum": cfg.momentum, "weight_decay": cfg.weight_decay}
+            o.update(phase.optimizer or {})
+            runs.append(PhaseRun(phase.stages, make_optimizer(o["name"], o["lr"], o["momentum"], o["weight_decay"])))
+        return runs
+
+    def plans(self, cid: int, t: int, phases: list[Phase], task: LocalTask) -> list[ClientPlan]:
+        """Client ``cid``'s batches of every phase of round ``t``, drawn one phase after
+        the other from the client's stream of the round."""
+        cfg = self.cfg
+        g = generator(cfg.seed, "plan", t, cid)
+        plans = []
+        for i, phase in enumerate(phases):
+            epochs = task.epochs[i] if task.epochs is not None else phase.epochs or cfg.local_epochs
+            batch = phase.batch_size or cfg.batch_size
+            plan = make_plan(self.rows[cid], epochs, batch, cfg.drop_last, self.setup.train_transform.sample, self.algorithm.views, g)
+            plans.append(plan.to(self.device))
+        return plans
+
     def run_round(self, t: int) -> dict[str, Any]:
         cfg, algo = self.cfg, self.algorithm
         sampled = self.schedule[t]
-        message = algo.broadcast(self.server, t)
+        broadcast = algo.broadcast(self.server, t)
+        phases = algo.phases(t)
         workload = Workload(
             self.train.x,
             self.train.y,
             self.setup.train_transform,
             self.net,
-            algo.stages(t),
-            self.optimizer,
+            self.phase_runs(phases),
             autocast=torch.bfloat16 if cfg.precision == "bf16" else None,
         )
         executor = make_executor(self.executor_name, workload, cfg)
-        open_clients: dict[int, tuple[Context, dict[str, Any]]] = {}
+        open_clients: dict[int, tuple[Context, dict[str, Any], dict[str, Any]]] = {}
+        down: dict[str, int] = {}
+        broadcast_bytes = payload_bytes(broadcast)
 
         def make_job(cid: int) -> Job:
             ctx = Context(self, cid, t)
             entry = self.store.get(cid) or {"algorithm": algo.init_client(ctx), "optimizer": None}
-            open_clients[cid] = (ctx, entry)
-            plan = make_plan(
-                self.rows[cid],
-                cfg.local_epochs,
-                cfg.batch_size,
-                cfg.drop_last,
-                self.setup.train_transform.sample,
-                algo.views,
-                generator(cfg.seed, "plan", t, cid),
-            ).to(self.device)
+            message = algo.message_for(broadcast, self.server, cid, t)
+            add_bytes(down, broadcast_bytes if message is broadcast else payload_bytes(message))
+            open_clients[cid] = (ctx, entry, message)
             task = algo.client_begin(message, entry["algorithm"], ctx)
-            return Job(cid, task, plan, derive_seed(cfg.seed, "dropout", t, cid), entry["optimizer"])
+            seed = derive_seed(cfg.seed, "dropout", t, cid)
+            return Job(cid, task, self.plans(cid, t, phases, task), seed, entry["optimizer"])
 
-        spec = algo.reply_spec(message)
         replies: list[Reply] = []
         rejected: dict[int, str] = {}
         losses: dict[int, float] = {}
         steps = 0
         up: dict[str, int] = {}
+        broadcast_spec = None
+        own_messages: dict[int, dict[str, Any]] = {}  # clients whose message is not the broadcast
         for done, (job, result) in enumerate(executor.run(make_job, sampled), start=1):
-            ctx, entry = open_clients.pop(job.cid)
+            ctx, entry, message = open_clients.pop(job.cid)
+            if message is not broadcast:
+                own_messages[job.cid] = message
             reply, state = algo.client_end(job.task, result, entry["algorithm"], ctx)
             add_bytes(up, payload_bytes(reply.payload))
+            if message is broadcast:
+                broadcast_spec = broadcast_spec or algo.reply_spec(broadcast)
+                spec = broadcast_spec
+            else:
+                spec = algo.reply_spec(message)
             reason = check_reply(reply, spec)
             if reason is None:
                 replies.append(reply)
             else:
                 rejected[reply.cid] = self.reject(reply.cid, reason, t)
             entry = {"algorithm": state, "optimizer": result.opt_state if cfg.persist_optimizer_state else None}
-            if cfg.eval_personal and "model" in result.params and algo.personal_state(state, self.server) is None:
-                entry["local"] = model_state(result)  # evaluated when the algorithm keeps no personal model
-            if entry["algorithm"] or entry["optimizer"] is not None or "local" in entry or job.cid in self.store:
+            if entry["algorithm"] or entry["optimizer"] is not None or job.cid in self.store:
                 self.store.put(job.cid, entry)
             if "loss" in result.stats:
                 losses[job.cid] = float(result.stats["loss"])
@@ -293,7 +325,7 @@ class Simulation:
             if self.progress is not None:
                 self.progress.clients(t + 1, done, len(sampled))
         replies.sort(key=lambda r: r.cid)
-        for cid, reason in norm_outliers(replies, message, cfg.update_outlier_factor).items():
+        for cid, reason in norm_outliers(replies, broadcast, cfg.update_outlier_factor, own_messages).items():
             rejected[cid] = self.reject(cid, reason, t)
         replies = [r for r in replies if r.cid not in rejected]
 
@@ -302,8 +334,6 @@ class Simulation:
             self.server = algo.aggregate(self.server, replies, t)
             self.server.model = self.server_opt.step(old, self.server.model)
 
-        down: dict[str, int] = {}
-        add_bytes(down, payload_bytes(message), times=len(sampled))
         add_bytes(self.comm_total["down"], down)
         add_bytes(self.comm_total["up"], up)
 
@@ -316,7 +346,7 @@ class Simulation:
         if rejected:
             row["rejected"] = [{"client": cid, "reason": why} for cid, why in sorted(rejected.items())]
         if (t + 1) % cfg.eval_every == 0 or t + 1 == cfg.rounds:
-            row.update(self.evaluate())
+            row.update(self.evaluate(t + 1))
         row["bytes_down"] = down
         row["bytes_up"] = up
         return row
@@ -337,39 +367,59 @@ class Simulation:
         return reason
 
     # -- evaluation -----------------------------------------------------------------
-    def evaluate(self) -> dict[str, Any]:
+    def evaluate(self, next_round: int) -> dict[str, Any]:
+        """The global model on the test set (when there is one) and, with
+        ``eval_personal``, every client's model on its own test data."""
         out: dict[str, Any] = {}
         bs, tf = self.cfg.eval_batch_size, self.setup.eval_transform
-        if self.algorithm.evaluates_global:
+        if self.algorithm.evaluates_global and len(self.test.y):
             res = evaluate(self.net, self.server.model, self.test.x, self.test.y, tf, bs)
             out["test_acc"], out["test_loss"] = res["acc"], res["loss"]
         if self.cfg.eval_personal:
-            accs, correct, total = [], 0.0, 0
-            test_rows = self.setup.partition.test
-            for cid in range(self.cfg.num_clients):
-                entry = self.store.get(cid)
-                if entry is None:
-                    continue
-                state = self.algorithm.personal_state(entry["algorithm"], self.server)
-                if state is None:
-                    state = entry.get("local")
-                if state is None:
-                    continue
-                if test_rows is not None:
-                    rows = torch.as_tensor(test_rows[cid], dtype=torch.long, device=self.device)
-                    res = evaluate(self.net, state, self.train.x[rows], self.train.y[rows], tf, bs)
-                else:
-                    res = evaluate(self.net, state, self.test.x, self.test.y, tf, bs)
-                if res["n"]:
-                    accs.append(res["acc"])
-                    correct += res["acc"] * res["n"]
-                    total += res["n"]
-            if accs:
-                mean, std = mean_std(accs)
-                out["personal_acc"], out["personal_acc_std"] = mean, std
-                out["personal_acc_weighted"] = correct / total
-                out["personal_clients"] = len(accs)
+            out.update(self.evaluate_clients(next_round))
         return out
+
+    def evaluate_clients(self, next_round: int) -> dict[str, Any]:
+        """PFLlib's personalised evaluation: every client, sampled or not, is evaluated
+        with the model it holds at the start of ``next_round``
+        (:meth:`~contrafl.algorithms.base.Algorithm.personal_model`) on its local test
+        split (the global test set without one). ``personal_acc`` is the sample-weighted
+        accuracy ``sum_i correct_i / sum_i n_i``, ``personal_acc_std`` the population std
+        of the clients' accuracies and ``personal_acc_mean`` their unweighted mean."""
+        algo, tf, bs = self.algorithm, self.setup.eval_transform, self.cfg.eval_batch_size
+        test_rows = self.setup.partition.test
+        message = algo.broadcast(self.server, next_round)
+        accs: list[float] = []
+        correct = loss = 0.0
+        total = 0
+        for cid in range(self.cfg.num_clients):
+            ctx = Context(self, cid, next_round)
+            entry = self.store.get(cid)
+            state = entry["algorithm"] if entry is not None else algo.init_client(ctx)
+            model = algo.personal_model(state, algo.message_for(message, self.server, cid, next_round), ctx)
+            if model is None:
+                continue
+            if test_rows is not None:
+                rows = torch.as_tensor(test_rows[cid], dtype=torch.long, device=self.device)
+                x, y = self.train.x[rows], self.train.y[rows]
+            else:
+                x, y = self.test.x, self.test.y
+            res = evaluate(self.net, model.state, x, y, tf, bs, scores=model.scores)
+            if res["n"]:
+                accs.append(res["acc"])
+                correct += res["acc"] * res["n"]
+                loss += res["loss"] * res["n"]
+                total += res["n"]
+        if not accs:
+            return {}
+        mean, std = mean_std(accs)
+        return {
+            "personal_acc": correct / total,
+            "personal_acc_std": std,
+            "personal_acc_mean": mean,
+            "personal_loss": loss / total,
+            "personal_clients": len(accs),
+        }
 
     # -- outputs --------------------------------------------------------------------
     def summary(self, status: str, seconds: float, error: str | None = None) -> dict[str, Any]:
@@ -391,6 +441,12 @@ class Simulation:
             best = max(range(len(accs)), key=accs.__getitem__)
             summary["best_test_acc"] = accs[best]
             summary["best_round"] = [r for r in evaluated if "test_acc" in r][best]["round"]
+        personal = [r for r in evaluated if "personal_acc" in r]
+        if personal:  # PFLlib reports the best round
+            best_row = max(personal, key=lambda r: r["personal_acc"])
+            summary["best_personal_acc"] = best_row["personal_acc"]
+            summary["best_personal_acc_std"] = best_row["personal_acc_std"]
+            summary["best_personal_round"] = best_row["round"]
         if self.cfg.target_accuracy is not None:
             summary["target_accuracy"] = self.cfg.target_accuracy
             summary["rounds_to_target"] = rounds_to_reach(self.history, self.cfg.target_accuracy)

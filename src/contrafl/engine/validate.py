@@ -93,12 +93,17 @@ def update_norm(payload: Mapping[str, Any], message: Mapping[str, Any]) -> float
     return math.sqrt(total)
 
 
-def norm_outliers(replies: Sequence[Reply], message: Mapping[str, Any], factor: float) -> dict[int, str]:
+def norm_outliers(
+    replies: Sequence[Reply], message: Mapping[str, Any], factor: float, messages: Mapping[int, Mapping[str, Any]] | None = None
+) -> dict[int, str]:
     """``{cid: reason}`` for the replies whose update norm exceeds ``factor`` times the
-    round's median (none when ``factor`` is 0 or the median is 0)."""
+    round's median (none when ``factor`` is 0 or the median is 0). Each update is
+    measured against the client's own message in ``messages`` where it has one, else
+    against ``message``."""
     if factor <= 0 or not replies:
         return {}
-    norms = {r.cid: update_norm(r.payload, message) for r in replies}
+    messages = messages or {}
+    norms = {r.cid: update_norm(r.payload, messages.get(r.cid, message)) for r in replies}
     median = statistics.median(norms.values())
     if median <= 0:
         return {}

@@ -83,7 +83,7 @@ def saved_bytes_of_step(workload: Workload, job: Job) -> int:
             total += t.untyped_storage().nbytes()
         return t
 
-    probe = Job(job.cid, job.task, _first_step(job.plan), job.seed)
+    probe = Job(job.cid, job.task, [_first_step(plan) for plan in job.plans], job.seed)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         SequentialExecutor(workload).train([probe])
     return total
@@ -111,7 +111,7 @@ class VectorizedExecutor:
         params = state_bytes(task.params)
         per_client = 4 * params + state_bytes(task.buffers)  # params, grads, optimiser state, update temporaries
         per_client += sum(state_bytes(v) for v in task.frozen.values())
-        per_client += job.plan.order.numel() * 8
+        per_client += sum(plan.order.numel() for plan in job.plans) * 8
         return per_client + 2 * saved_bytes_of_step(self.workload, job)
 
     def chunk_size(self, job: Job) -> int:
@@ -134,57 +134,65 @@ class VectorizedExecutor:
 
     # -- training -----------------------------------------------------------------
     def train(self, jobs: list[Job]) -> list[TrainResult]:
-        order = sorted(range(len(jobs)), key=lambda i: -jobs[i].plan.steps)
-        jobs_sorted = [jobs[i] for i in order]
-        results = self._train_sorted(jobs_sorted)
-        out: list[TrainResult | None] = [None] * len(jobs)
-        for i, r in zip(order, results):
-            out[i] = r
-        return out  # type: ignore[return-value]
-
-    def _train_sorted(self, jobs: list[Job]) -> list[TrainResult]:
+        """Train ``jobs`` phase by phase; in each phase the clients are stacked longest
+        first (by that phase's steps)."""
         w = self.workload
+        current = [
+            _Progress(job.task.params, job.task.buffers, dict(job.task.frozen), job.opt_state or w.init_opt_states(job.task))
+            for job in jobs
+        ]
+        for p, where in enumerate(w.opt_slices()):
+            order = sorted(range(len(jobs)), key=lambda i: -jobs[i].plans[p].steps)
+            self._train_phase(p, where, [jobs[i] for i in order], [current[i] for i in order])
+        return [
+            TrainResult(c.params, c.buffers, c.stats, sum(plan.steps for plan in job.plans), c.opt_states)
+            for job, c in zip(jobs, current)
+        ]
+
+    def _train_phase(self, p: int, where: slice, jobs: list[Job], current: list["_Progress"]) -> None:
+        """Phase ``p`` for ``jobs`` (sorted by their steps, longest first), updating
+        each job's progress in place."""
+        w = self.workload
+        phase = w.phases[p]
         tasks = [j.task for j in jobs]
         K = len(jobs)
-        steps = [j.plan.steps for j in jobs]
-        sizes = {s for j in jobs for s in j.plan.sizes}
+        steps = [j.plans[p].steps for j in jobs]
+        sizes = {s for j in jobs for s in j.plans[p].sizes}
         if len(sizes) > 1:
             raise ValueError("the vectorized executor needs equal batch sizes (drop_last=true)")
         B = sizes.pop() if sizes else 0
 
-        params, _ = stack_trees([t.params for t in tasks], force=True)
-        buffers, _ = stack_trees([t.buffers for t in tasks], force=True)
+        params, _ = stack_trees([c.params for c in current], force=True)
+        buffers, _ = stack_trees([c.buffers for c in current], force=True)
         snap_names = set(tasks[0].snapshots)
-        frozen_shared, frozen_dims = stack_trees([{k: v for k, v in t.frozen.items() if k not in snap_names} for t in tasks])
-        frozen_snap, _ = stack_trees([{k: t.frozen[k] for k in snap_names if k in t.frozen} for t in tasks], force=True)
+        frozen_shared, frozen_dims = stack_trees([{k: v for k, v in c.frozen.items() if k not in snap_names} for c in current])
+        frozen_snap, _ = stack_trees([{k: c.frozen[k] for k in snap_names if k in c.frozen} for c in current], force=True)
         frozen = {**frozen_shared, **frozen_snap}
         frozen_dims = {**frozen_dims, **pytree.tree_map(lambda _: 0, frozen_snap)}
         consts, consts_dims = stack_trees([t.consts for t in tasks])
 
-        keys = [stage_keys(stage, tasks[0]) for stage in w.stages]
+        keys = [stage_keys(stage, tasks[0]) for stage in phase.stages]
         tensors = [[params[r][k] for r, k in ks] for ks in keys]
-        own_states = [  # each client's persisted optimiser state, or a fresh one
-            j.opt_state if j.opt_state is not None else [w.optimizer.init([j.task.params[r][k] for r, k in ks]) for ks in keys]
-            for j in jobs
-        ]
-        opt_states = [stack_trees([s[i] for s in own_states], force=True)[0] for i in range(len(w.stages))]
-        used = used_parameters(w, jobs[0])
+        opt_states = [stack_trees([c.opt_states[where][i] for c in current], force=True)[0] for i in range(len(phase.stages))]
+        used = used_parameters(w, jobs[0], p)
 
         S = max(steps) if steps else 0
         rows = torch.zeros(K, S, B, dtype=torch.long, device=w.x.device)
         augs = [
             {k: torch.zeros((K, S, B) + v.shape[1:], dtype=v.dtype, device=w.x.device) for k, v in view.items()}
-            for view in jobs[0].plan.aug
+            for view in jobs[0].plans[p].aug
         ]
         for i, job in enumerate(jobs):
-            n = job.plan.steps * B
-            rows[i, : job.plan.steps] = job.plan.order[:n].view(job.plan.steps, B)
-            for view, dst in zip(job.plan.aug, augs):
+            plan = job.plans[p]
+            n = plan.steps * B
+            rows[i, : plan.steps] = plan.order[:n].view(plan.steps, B)
+            for view, dst in zip(plan.aug, augs):
                 for k, v in view.items():
-                    dst[k][i, : job.plan.steps] = v[:n].view((job.plan.steps, B) + v.shape[1:])
+                    dst[k][i, : plan.steps] = v[:n].view((plan.steps, B) + v.shape[1:])
 
         totals: dict[str, torch.Tensor] = {}
-        seed_global(jobs[0].seed, w.x.device)
+        if p == 0:
+            seed_global(jobs[0].seed, w.x.device)
         for s in range(S):
             a = sum(1 for n in steps if n > s)
             r = rows[:a, s]
@@ -192,47 +200,44 @@ class VectorizedExecutor:
             views = [w.transform(raw, {k: v[:a, s] for k, v in view.items()}) for view in augs]
             x = views[0] if len(views) == 1 else torch.stack(views, dim=1)
             y = w.y[r]
-            for stage, ks, ts, state, uses in zip(w.stages, keys, tensors, opt_states, used):
+            for stage, ks, ts, state, uses in zip(phase.stages, keys, tensors, opt_states, used):
                 trained = {role for role, _ in ks}
-                tp = {role: {k: v[:a] for k, v in params[role].items()} for role in params if role in trained}
-                op = {role: {k: v[:a] for k, v in params[role].items()} for role in params if role not in trained}
-                bufs = {role: {k: v[:a] for k, v in sd.items()} for role, sd in buffers.items()}
-                fz = slice_tree(frozen, frozen_dims, a)
-                cs = slice_tree(consts, consts_dims, a)
-                fn = self._grad_fn(stage, frozen_dims, consts_dims, sorted(op))
-                with w.autocast_context():
-                    grads, (_, stats) = fn(tp, op, bufs, fz, cs, x, y)
-                flat_grads = [grads[role][k] if u else None for (role, k), u in zip(ks, uses)]
-                views_a = [t[:a] for t in ts]
-                w.optimizer.step(views_a, flat_grads, _slice_state(state, a))
-                if stage.post_step is not None:
-                    delta = self._post_fn(stage, frozen_dims, consts_dims)(
-                        {role: {k: v[:a] for k, v in sd.items()} for role, sd in params.items()}, bufs, fz, cs
-                    )
-                    torch._foreach_add_(views_a, [delta[role][k] for role, k in ks])
-                for k, v in stats.items():
-                    v = v.detach().float()
-                    if k not in totals:
-                        totals[k] = torch.zeros((K,) + v.shape[1:], device=v.device)
-                    totals[k][:a] += v
+                for _ in range(stage.repeat):
+                    tp = {role: {k: v[:a] for k, v in params[role].items()} for role in params if role in trained}
+                    op = {role: {k: v[:a] for k, v in params[role].items()} for role in params if role not in trained}
+                    bufs = {role: {k: v[:a] for k, v in sd.items()} for role, sd in buffers.items()}
+                    fz = slice_tree(frozen, frozen_dims, a)
+                    cs = slice_tree(consts, consts_dims, a)
+                    fn = self._grad_fn(stage, frozen_dims, consts_dims, sorted(op))
+                    with w.autocast_context():
+                        grads, (_, stats) = fn(tp, op, bufs, fz, cs, x, y)
+                    flat_grads = [grads[role][k] if u else None for (role, k), u in zip(ks, uses)]
+                    views_a = [t[:a] for t in ts]
+                    phase.optimizer.step(views_a, flat_grads, _slice_state(state, a))
+                    if stage.post_step is not None:
+                        delta = self._post_fn(stage, frozen_dims, consts_dims)(
+                            {role: {k: v[:a] for k, v in sd.items()} for role, sd in params.items()}, bufs, fz, cs
+                        )
+                        torch._foreach_add_(views_a, [delta[role][k] for role, k in ks])
+                    for k, v in stats.items():
+                        v = v.detach().float()
+                        if k not in totals:
+                            totals[k] = torch.zeros((K,) + v.shape[1:], device=v.device)
+                        totals[k][:a] += v
             for i in range(a):
-                if s in jobs[i].plan.epoch_ends:
+                if s in jobs[i].plans[p].epoch_ends:
                     for name, role in tasks[0].snapshots.items():
                         for k, v in {**params[role], **buffers[role]}.items():
                             frozen[name][k][i].copy_(v[i])
 
-        results = []
-        for i in range(K):
-            results.append(
-                TrainResult(
-                    params={role: {k: v[i].detach().clone() for k, v in sd.items()} for role, sd in params.items()},
-                    buffers={role: {k: v[i].clone() for k, v in sd.items()} for role, sd in buffers.items()},
-                    stats={k: v[i].clone() for k, v in totals.items()} if steps[i] else {},
-                    steps=steps[i],
-                    opt_state=[pytree.tree_map(lambda x: x[i].clone(), st) for st in opt_states],
-                )
-            )
-        return results
+        for i, c in enumerate(current):
+            c.params = {role: {k: v[i].detach().clone() for k, v in sd.items()} for role, sd in params.items()}
+            c.buffers = {role: {k: v[i].clone() for k, v in sd.items()} for role, sd in buffers.items()}
+            c.frozen = {**c.frozen, **{name: {k: v[i].clone() for k, v in frozen[name].items()} for name in frozen_snap}}
+            c.opt_states[where] = [pytree.tree_map(lambda x: x[i].clone(), st) for st in opt_states]
+            if steps[i]:
+                for k, v in totals.items():
+                    c.stats[k] = c.stats[k] + v[i] if k in c.stats else v[i].clone()
 
     def _grad_fn(self, stage: Stage, frozen_dims: Any, consts_dims: Any, other_roles: list[str]) -> Callable:
         key = (id(stage.loss), repr(frozen_dims), repr(consts_dims), tuple(other_roles))
@@ -260,6 +265,16 @@ class VectorizedExecutor:
 
             self._grad_fns[key] = vmap(post, in_dims=(0, 0, frozen_dims, consts_dims))
         return self._grad_fns[key]
+
+
+class _Progress:
+    """One client's parameters, buffers, frozen models, optimiser states and summed
+    statistics between phases."""
+
+    def __init__(self, params, buffers, frozen, opt_states) -> None:
+        self.params, self.buffers, self.frozen = params, buffers, frozen
+        self.opt_states = list(opt_states)
+        self.stats: dict[str, torch.Tensor] = {}
 
 
 def _slice_state(state: dict, a: int) -> dict:

@@ -7,17 +7,24 @@ from collections.abc import Callable, Mapping
 import torch
 from torch.nn import functional as F
 
+from ..models.base import ModelOutput
+
 
 @torch.no_grad()
 def evaluate(
-    net: Callable[..., object],
+    net: Callable[..., ModelOutput],
     state: Mapping[str, torch.Tensor],
     x: torch.Tensor,
     y: torch.Tensor,
     transform: Callable[[torch.Tensor], torch.Tensor],
     batch_size: int,
+    scores: Callable[[ModelOutput], torch.Tensor] | None = None,
 ) -> dict[str, float]:
-    """Top-1 accuracy and mean cross-entropy of ``state`` (eval mode) on ``(x, y)``."""
+    """Top-1 accuracy and mean cross-entropy of ``state`` (eval mode) on ``(x, y)``.
+
+    The prediction is the argmax of ``scores(outputs)`` (default: the logits); the loss
+    is the cross-entropy of the logits, and NaN when a score function replaces them.
+    """
     if len(y) == 0:
         return {"acc": float("nan"), "loss": float("nan"), "n": 0}
     correct = torch.zeros((), dtype=torch.long, device=y.device)
@@ -25,7 +32,9 @@ def evaluate(
     for i in range(0, len(y), batch_size):
         out = net(state, transform(x[i : i + batch_size]), train=False)
         target = y[i : i + batch_size]
-        correct += (out.logits.argmax(1) == target).sum()
-        loss += F.cross_entropy(out.logits.float(), target, reduction="sum").double()
+        predicted = (out.logits if scores is None else scores(out)).argmax(1)
+        correct += (predicted == target).sum()
+        if scores is None:
+            loss += F.cross_entropy(out.logits.float(), target, reduction="sum").double()
     n = len(y)
-    return {"acc": correct.item() / n, "loss": loss.item() / n, "n": n}
+    return {"acc": correct.item() / n, "loss": loss.item() / n if scores is None else float("nan"), "n": n}
