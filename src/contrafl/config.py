@@ -60,6 +60,8 @@ class Config:
     download: bool = P.param(False, None, "download missing official files into data_dir")
     num_clients: int = P.param(10, P.Interval(1, None), "number of clients N")
     test_fraction: float = P.param(0.0, P.Interval(0, 1, "left"), "per-client test split (PFLlib uses 0.25); 0 = none")
+    pool: bool = P.param(False, None, "pool the official train and test sets before partitioning (PFLlib); needs test_fraction > 0")
+    normalize: str = P.param("dataset", P.OneOf(("dataset", "half")), "input normalisation: the dataset's channel mean/std, or 0.5/0.5 (PFLlib)")
     sample_fraction: float = P.param(1.0, P.Interval(0, 1, "right"), "fraction of clients sampled per round")
     rounds: int | None = P.param(None, P.Interval(1, None), "communication rounds (auto: the dataset's)")
     local_epochs: int | None = P.param(None, P.Interval(1, None), "local epochs per round (auto: the dataset's)")

@@ -46,6 +46,7 @@ class Federation:
         param_names: names of the model's trainable parameters (the rest of a state dict
             are buffers such as BatchNorm statistics).
         seed: the run's seed (for algorithm-side randomness, e.g. FedSSC's sampling).
+        rep_dim: width of the representation ``z`` the classifier reads.
     """
 
     num_clients: int
@@ -56,6 +57,7 @@ class Federation:
     batch_size: int
     param_names: tuple[str, ...]
     seed: int = 0
+    rep_dim: int = 0
 
     def split(self, state: Mapping[str, torch.Tensor]) -> tuple[StateDict, StateDict]:
         """Split a full state dict into ``(parameters, buffers)``."""

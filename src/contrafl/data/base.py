@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
+
+from ..errors import ConfigError
 
 
 @dataclass
@@ -54,6 +57,16 @@ class FederatedDataset:
     std: tuple[float, ...] | None = None
     natural_partition: dict[str, list[list[int]]] | None = None
     info: dict = field(default_factory=dict)
+
+    def pooled(self) -> "FederatedDataset":
+        """The official train and test sets as one training set (train rows first) and
+        an empty test set: PFLlib pools them before partitioning and splits each
+        client's share into local train and test parts."""
+        if self.natural_partition is not None:
+            raise ConfigError(f"dataset {self.name} is federated by construction and cannot be pooled; set pool=false")
+        train = ArrayDataset(torch.cat([self.train.x, self.test.x]), torch.cat([self.train.y, self.test.y]))
+        test = ArrayDataset(self.test.x[:0], self.test.y[:0])
+        return dataclasses.replace(self, train=train, test=test, info={**self.info, "pooled": True})
 
     @property
     def num_classes(self) -> int:

@@ -103,6 +103,11 @@ def resolve(cfg: Config) -> Config:
     augment_name = augment.AUGMENTATIONS.canonical(spec.augment if P.fold(cfg.augment) == "auto" else cfg.augment)
     partition = PARTITIONS.get(cfg.partition.name)
     partition_options = P.build(partition.options, cfg.partition.options, "partition")
+    if cfg.pool and cfg.test_fraction == 0:
+        raise ConfigError(
+            "pool=true puts the official test set into the clients' data and leaves no test set; "
+            "set test_fraction=0.25 (PFLlib) so that each client keeps a local test split"
+        )
     device = resolve_device(cfg.device)
     rec = spec.recommended
     cfg = dataclasses.replace(
@@ -121,7 +126,7 @@ def resolve(cfg: Config) -> Config:
             cfg.server_momentum if cfg.server_momentum is not None else algo_cls.default_server_momentum
         ),
         device=device.type,
-        eval_personal=cfg.eval_personal if cfg.eval_personal is not None else algo_cls.personalized,
+        eval_personal=cfg.eval_personal if cfg.eval_personal is not None else algo_cls.personalized or cfg.test_fraction > 0,
     )
     executor = choose_executor(cfg, algo_cls, device)
     workers = (cfg.workers or cpu_cores()) if executor == "parallel" else 1
@@ -164,6 +169,10 @@ def prepare(cfg: Config) -> Setup:
     algo_params = P.build(algo_cls.Params, cfg.algorithm.options, "algorithm")
     device = torch.device(cfg.device)
     data, _ = load_data(cfg)
+    if cfg.pool:
+        data = data.pooled()
+    if cfg.normalize == "half" and data.mean is not None:
+        data = dataclasses.replace(data, mean=(0.5,) * len(data.mean), std=(0.5,) * len(data.std))
     if data.natural_partition is not None and cfg.partition.name != "natural":
         raise ConfigError(
             f"dataset {data.name} is federated by construction; use partition=natural "
@@ -196,6 +205,7 @@ def prepare(cfg: Config) -> Setup:
         batch_size=cfg.batch_size,
         param_names=tuple(name for name, _ in model.named_parameters()),
         seed=cfg.seed,
+        rep_dim=model.out_dim,
     )
     return Setup(
         config=cfg,
