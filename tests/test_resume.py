@@ -96,6 +96,22 @@ def test_killed_in_the_middle_of_a_round_resumes_exactly(tmp_path, algorithm):
     assert summary["status"] == "completed" and summary["rounds_completed"] == 4
 
 
+# Personalised algorithms in PFLlib's protocol: per-client test splits of the pooled data,
+# every client evaluated every round, Adam state kept across rounds (FedCRL's setting).
+PERSONALIZED = ["pool=true", "test_fraction=0.25", "optimizer=adam", "lr=0.003", "persist_optimizer_state=true"]
+
+
+@pytest.mark.parametrize("algorithm", ["fedcrl"])
+def test_personalized_killed_in_the_middle_of_a_round_resumes_exactly(tmp_path, algorithm):
+    settings = [f"algorithm={algorithm}", *SETTINGS, *PERSONALIZED]
+    clean = _uninterrupted(tmp_path, settings)
+    assert b"personal_acc" in clean
+    run = tmp_path / "run"
+    _killed_run(run, "round", 2 * CLIENTS + 2, settings)
+    assert main(["run", "--quiet", "--resume", str(run)]) == 0
+    assert (run / "metrics.jsonl").read_bytes() == clean
+
+
 @pytest.mark.parametrize("algorithm", ["moon", "scaffold", "solo"])
 def test_killed_while_writing_a_checkpoint_resumes_exactly(tmp_path, algorithm):
     settings = [f"algorithm={algorithm}", *SETTINGS]

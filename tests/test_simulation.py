@@ -113,3 +113,63 @@ def test_personal_evaluation_on_client_test_splits():
     sim = simulate("algorithm=solo", "test_fraction=0.25", "rounds=1", "eval_personal=true")
     assert sim.setup.partition.test is not None
     assert sim.history[-1]["personal_clients"] == 4
+
+
+def test_personal_accuracy_is_sample_weighted_with_the_std_over_clients():
+    """PFLlib's metric: sum_i correct_i / sum_i n_i, and the population std of the
+    per-client accuracies; FedAvg's clients hold the received global model."""
+    from contrafl.eval.evaluate import evaluate
+
+    sim = simulate("test_fraction=0.25", "pool=true", "rounds=2", "eval_personal=auto")
+    correct, n, accs = 0.0, 0, []
+    for rows in sim.setup.partition.test:
+        rows = torch.as_tensor(rows)
+        res = evaluate(sim.net, sim.server.model, sim.train.x[rows], sim.train.y[rows], sim.setup.eval_transform, 1000)
+        correct, n = correct + res["acc"] * res["n"], n + res["n"]
+        accs.append(res["acc"])
+    last = sim.history[-1]
+    assert last["personal_acc"] == pytest.approx(correct / n)
+    assert last["personal_acc_std"] == pytest.approx(float(torch.tensor(accs).std(unbiased=False)))
+    summary = sim.summary("completed", 1.0)
+    best = max(sim.history, key=lambda r: r["personal_acc"])
+    assert summary["best_personal_acc"] == best["personal_acc"] and summary["best_personal_round"] == best["round"]
+
+
+def test_pooling_puts_the_official_test_set_into_the_clients_data():
+    plain = prepare(load_config(None, ["num_clients=4"]))
+    pooled = prepare(load_config(None, ["num_clients=4", "pool=true", "test_fraction=0.25", "normalize=half"]))
+    assert len(pooled.data.train) == len(plain.data.train) + len(plain.data.test) and len(pooled.data.test) == 0
+    assert sum(len(r) + len(t) for r, t in zip(pooled.partition.train, pooled.partition.test)) == len(pooled.data.train)
+    assert pooled.config.eval_personal is True  # per-client test splits are evaluated by default
+    with pytest.raises(ConfigError, match="pool=true .* set test_fraction=0.25"):
+        prepare(load_config(None, ["pool=true"]))
+
+
+def test_normalize_half_maps_pixels_to_minus_one_one(tmp_path):
+    from test_datasets import write_cifar10
+
+    write_cifar10(tmp_path, rows=6, test_rows=4)
+    base = ["dataset=cifar10", f"data_dir={tmp_path}", "allow_subset=true", "num_clients=2", "augment=none"]
+    setup = prepare(load_config(None, [*base, "normalize=half"]))
+    assert setup.data.mean == setup.data.std == (0.5, 0.5, 0.5)
+    x = torch.tensor([[[0, 255]] * 1] * 3, dtype=torch.uint8).unsqueeze(0)  # [1, 3, 1, 2]
+    assert setup.eval_transform(x).flatten().tolist() == pytest.approx([-1.0, 1.0] * 3)
+    assert setup.train_transform(x, setup.train_transform.sample(1, torch.Generator())).flatten().tolist() == pytest.approx([-1.0, 1.0] * 3)
+    assert prepare(load_config(None, base)).data.mean != (0.5, 0.5, 0.5)
+
+
+def test_a_message_per_client_is_counted_per_client():
+    """An algorithm that sends client 0 an extra tensor: the round's bytes down are the
+    sum of the messages each client received."""
+    from contrafl.algorithms.fedavg import FedAvg
+
+    class Extra(FedAvg):
+        def message_for(self, message, server, cid, round):
+            return {**message, "extra": torch.zeros(100)} if cid == 0 else message
+
+    setup = prepare(load_config(None, ["num_clients=4", "rounds=1", "eval_personal=false"]))
+    setup.algorithm = Extra(setup.algorithm.params, setup.algorithm.federation)
+    sim = Simulation(setup)
+    sim.run()
+    model_bytes = sum(v.numel() * v.element_size() for v in sim.server.model.values())
+    assert sim.history[0]["bytes_down"] == {"model": 4 * model_bytes, "extra": 400}

@@ -28,7 +28,7 @@ from .base import TensorSpec
 def label_sums(z: torch.Tensor, y: torch.Tensor, num_classes: int) -> dict[str, torch.Tensor]:
     """``{"proto_sum": [C, d], "proto_count": [C]}``: per-label sums of the detached
     representations ``z`` ``[B, d]`` and per-label sample counts of a batch."""
-    onehot = F.one_hot(y, num_classes).to(z.dtype)
+    onehot = (y.unsqueeze(1) == torch.arange(num_classes, device=y.device)).to(z.dtype)  # vmap-safe one_hot
     return {"proto_sum": onehot.T @ z.detach(), "proto_count": onehot.sum(0)}
 
 
