@@ -11,7 +11,7 @@ from contrafl.cli import main
 from contrafl.engine.setup import resolve
 from contrafl.errors import ConfigError
 from contrafl.eval.metrics import mean_std
-from contrafl.eval.suite import Suite, _slug, format_table, load_suite, run_suite
+from contrafl.eval.suite import Suite, _combine, _slug, format_table, load_suite, run_suite
 
 EXPERIMENTS = Path(__file__).resolve().parents[1] / "experiments"
 
@@ -255,3 +255,35 @@ def test_run_stopped_before_its_first_checkpoint_restarts_cleanly(tmp_path, monk
     assert any("resumed after round 0" in line for line in log)
     clean = (tmp_path / "clean" / "FedAvg" / "seed0" / "metrics.jsonl").read_bytes()
     assert (run / "metrics.jsonl").read_bytes() == clean
+
+
+def test_settings_and_the_best_round_table(tmp_path):
+    """A suite with settings runs every method in every setting; metric best reports the
+    best round's client accuracy (mean ± std over seeds) and the client std then."""
+    path = tmp_path / "t.yaml"
+    path.write_text(yaml.safe_dump({
+        "name": "t",
+        "base": {"rounds": 3, "local_epochs": 1, "num_clients": 4, "pool": True, "test_fraction": 0.25},
+        "settings": {"practical": {"partition": {"name": "dirichlet", "beta": 0.1, "min_size": 5}},
+                     "pathological": {"partition": {"name": "pathological", "classes_per_client": 5, "least_samples": 5}}},
+        "methods": {"FedAvg": {"algorithm": "fedavg"}, "FedProto": {"algorithm": "fedproto"}},
+        "metric": "best",
+        "seeds": [0, 1],
+    }, sort_keys=False))
+    suite = load_suite(path)
+    assert list(suite.methods) == ["practical / FedAvg", "practical / FedProto", "pathological / FedAvg", "pathological / FedProto"]
+    # a method's options of the setting's component merge into it
+    merged = _combine({"partition": {"name": "dirichlet", "beta": 0.1}}, {"partition": {"min_size": 6}, "rounds": 2})
+    assert merged == {"partition": {"name": "dirichlet", "beta": 0.1, "min_size": 6}, "rounds": 2}
+    results = run_suite(suite, tmp_path / "out", methods=["FedProto"], log=lambda _: None)
+    assert sorted(p.name for p in (tmp_path / "out").iterdir() if p.is_dir()) == ["pathological-FedProto", "practical-FedProto"]
+    rows = [[json.loads(x) for x in (tmp_path / "out" / "practical-FedProto" / f"seed{s}" / "metrics.jsonl").read_text().splitlines()] for s in (0, 1)]
+    best = [max(r, key=lambda x: x["personal_acc"]) for r in rows]
+    entry = results["methods"]["practical / FedProto"]
+    assert entry["best_acc"] == [b["personal_acc"] for b in best]
+    mean, std = mean_std(entry["best_acc"])
+    client_std = mean_std([b["personal_acc_std"] for b in best])[0]
+    table = (tmp_path / "out" / "results.md").read_text().splitlines()
+    assert table[0] == "| method | practical: Acc (%) | practical: Std | pathological: Acc (%) | pathological: Std |"
+    assert f"| FedProto | {100 * mean:.2f} ± {100 * std:.2f} | {100 * client_std:.2f} |" in table[3]
+    assert table[2] == "| FedAvg | - | - | - | - |"

@@ -11,6 +11,15 @@ A suite file (``experiments/**/*.yaml``) has::
     paper: {MOON: "69.1±0.4", FedAvg: "66.3±0.5"}   # optional reference numbers
     target: {from: FedAvg}                           # optional: rounds to reach FedAvg's final
                                                      # accuracy (MOON Table 2), or {accuracy: 0.68}
+    settings:                                        # optional: the table's columns, each
+      CIFAR-10 practical: {partition: ...}           # settings on top of base (FedCRL Table II)
+    metric: best                                     # optional: PFLlib's best-round client accuracy
+
+With ``settings`` every method runs in every setting (``"<setting> / <method>"``), and
+the table has a row per method and an accuracy and a client-std column per setting.
+``metric: best`` reports, per run, the best round's sample-weighted client accuracy and
+the std over clients at that round (PFLlib, FedCRL's Tables II-III); the default
+``final`` reports the last round's global test accuracy (MOON's tables).
 
 Every run goes to ``OUT/<method>/seed<k>/`` (a normal run directory). A finished run with
 the same settings (fingerprint) is reused and a stopped one resumes from its checkpoint,
@@ -55,9 +64,12 @@ class Suite:
     paper_rounds: dict[str, Any] = field(default_factory=dict)
     target: dict[str, Any] = field(default_factory=dict)
     description: str = ""
+    settings: list[str] = field(default_factory=list)
+    metric: str = "final"
 
     def config(self, method: str, seed: int, overrides: Sequence[str] = ()):
-        """The validated configuration of one run."""
+        """The validated configuration of one run (``method`` is a ``"<setting> /
+        <method>"`` pair in a suite with settings)."""
         tree: dict[str, Any] = {}
         merge(tree, self.base, f"{self.name} base")
         merge(tree, self.methods[method], f"{self.name} method {method}")
@@ -77,10 +89,20 @@ def load_suite(path: Path) -> Suite:
     for key in ("name", "methods"):
         if key not in data:
             raise ConfigError(f"{path} has no '{key}'; an experiment needs a name, a base config and methods")
-    unknown = set(data) - {"name", "description", "base", "methods", "seeds", "paper", "paper_rounds", "target"}
+    unknown = set(data) - {"name", "description", "base", "methods", "seeds", "paper", "paper_rounds", "target", "settings", "metric"}
     if unknown:
         raise ConfigError(f"{path}: unknown key '{sorted(unknown)[0]}' in the experiment file")
+    metric = data.get("metric", "final")
+    if metric not in ("final", "best"):
+        raise ConfigError(f"{path}: metric '{metric}' is invalid; expected 'final' (global test accuracy) or 'best' (PFLlib's best-round client accuracy)")
     methods = {str(k): (v or {}) for k, v in data["methods"].items()}
+    settings = {str(k): (v or {}) for k, v in (data.get("settings") or {}).items()}
+    if settings:  # every method in every setting; a method's own settings come last
+        methods = {
+            f"{setting} / {method}": _combine(extra, own)
+            for setting, extra in settings.items()
+            for method, own in methods.items()
+        }
     seen: dict[str, str] = {}
     for method in methods:
         if not _slug(method):
@@ -100,7 +122,22 @@ def load_suite(path: Path) -> Suite:
         paper=data.get("paper") or {},
         paper_rounds=data.get("paper_rounds") or {},
         target=data.get("target") or {},
+        settings=list(settings),
+        metric=metric,
     )
+
+
+def _combine(setting: Mapping[str, Any], method: Mapping[str, Any]) -> dict[str, Any]:
+    """A setting's overrides, then a method's; a component given by both as mappings
+    with the same name (or the method's without one) merges option by option."""
+    out = dict(setting)
+    for key, value in method.items():
+        old = out.get(key)
+        if isinstance(old, Mapping) and isinstance(value, Mapping) and value.get("name", old.get("name")) == old.get("name"):
+            out[key] = {**old, **value}
+        else:
+            out[key] = value
+    return out
 
 
 @dataclass
@@ -137,10 +174,12 @@ def run_suite(
     """
     from ..engine.setup import check_data_dir
 
-    chosen = list(methods) if methods else list(suite.methods)
-    for m in chosen:
-        if m not in suite.methods:
-            raise ConfigError(f"unknown method '{m}' in {suite.name}; the suite has: {', '.join(suite.methods)}")
+    chosen = list(suite.methods)
+    if methods:
+        for m in methods:
+            if m not in suite.methods and m not in base_methods(suite):
+                raise ConfigError(f"unknown method '{m}' in {suite.name}; the suite has: {', '.join(base_methods(suite))}")
+        chosen = [m for m in suite.methods if m in methods or split_method(suite, m)[1] in methods]
     for key, value in parse_overrides(overrides):
         if key == "seed":
             raise ConfigError(f"seed={value} is set by the suite for each run; choose seeds with --seeds (--seeds {value}, runs seed {value} alone)")
@@ -170,9 +209,13 @@ def run_suite(
                 log(f"{head}: FAILED: {one_line(exc)} (traceback in {cell.path / 'error.txt'}); "
                     "run the suite again to resume it from its checkpoint")
                 continue
-            final = summary.get("final", {})
-            acc = final.get("test_acc", final.get("personal_acc"))
-            log(f"{head}: final accuracy {'-' if acc is None else f'{acc:.4f}'} in {summary['wall_time_s']:.0f}s")
+            if suite.metric == "best":
+                acc = summary.get("best_personal_acc")
+                what = "best client accuracy"
+            else:
+                final = summary.get("final", {})
+                acc, what = final.get("test_acc", final.get("personal_acc")), "final accuracy"
+            log(f"{head}: {what} {'-' if acc is None else f'{acc:.4f}'} in {summary['wall_time_s']:.0f}s")
     results = collect(suite, out, list(suite.methods), {k: fingerprint(c) for k, c in configs.items()})
     results["failed"] = [f"{c.method} seed {c.seed}" for c in failed]
     out.mkdir(parents=True, exist_ok=True)
@@ -371,6 +414,13 @@ def collect(
             entry["test_acc_mean"], entry["test_acc_std"] = mean_std(finals[method])
             entry["test_acc_last_mean"] = mean_std([_last_mean(rows, "test_acc") for rows in runs])[0]
             entry["curve"] = _mean_curve(runs, "test_acc")
+        best = [max((r for r in rows if "personal_acc" in r), key=lambda r: r["personal_acc"]) for rows in runs if any("personal_acc" in r for r in rows)]
+        if best:  # PFLlib: the best round's client accuracy, and the std over clients then
+            entry["best_acc"] = [r["personal_acc"] for r in best]
+            entry["best_acc_mean"], entry["best_acc_seed_std"] = mean_std(entry["best_acc"])
+            entry["best_client_std"] = mean_std([r["personal_acc_std"] for r in best])[0]
+            entry["best_round"] = [r["round"] for r in best]
+            entry.setdefault("curve", _mean_curve(runs, "personal_acc"))
         personal = [r for r in (last_row(rows, "personal_acc") for rows in runs) if r is not None]
         if personal:
             entry["personal_acc"] = [r["personal_acc"] for r in personal]
@@ -412,6 +462,8 @@ def format_table(suite: Suite, results: Mapping[str, Any], detailed: bool = Fals
 
     ``detailed`` adds the final accuracy of every seed and the mean of the last
     :data:`LAST` evaluated rounds (the tables of docs/results.md)."""
+    if suite.metric == "best":
+        return _best_table(suite, results, detailed)
     target = results.get("target")
     methods = results["methods"]
     header = ["method", "accuracy (ours)", "seeds"]
@@ -448,6 +500,51 @@ def format_table(suite: Suite, results: Mapping[str, Any], detailed: bool = Fals
             cells.append(", ".join("-" if r is None else str(r) for r in reached) if reached else "")
             if suite.paper_rounds:
                 cells.append(str(suite.paper_rounds.get(method, "")))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def base_methods(suite: Suite) -> list[str]:
+    """The suite's methods without their settings, in order."""
+    return list(dict.fromkeys(split_method(suite, m)[1] for m in suite.methods))
+
+
+def split_method(suite: Suite, name: str) -> tuple[str, str]:
+    """``(setting, method)`` of a run name (setting ``""`` in a suite without settings)."""
+    for setting in suite.settings:
+        if name.startswith(setting + " / "):
+            return setting, name[len(setting) + 3 :]
+    return "", name
+
+
+def _best_table(suite: Suite, results: Mapping[str, Any], detailed: bool) -> str:
+    """PFLlib's layout (FedCRL Tables II-III): per method and setting, the best-round
+    client accuracy (mean ± std over seeds) and the std over clients at that round."""
+    methods = results["methods"]
+    settings = suite.settings or [""]
+    header = ["method"]
+    for setting in settings:
+        label = f"{setting}: " if setting else ""
+        header += [f"{label}Acc (%)", f"{label}Std"]
+    if detailed:
+        header += ["seeds", "best rounds"]
+    if suite.paper:
+        header.append("paper")
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for base in base_methods(suite):
+        cells, seeds, rounds = [base], [], []
+        for setting in settings:
+            e = methods.get(f"{setting} / {base}" if setting else base, {})
+            if "best_acc_mean" in e:
+                cells += [f"{100 * e['best_acc_mean']:.2f} ± {100 * e['best_acc_seed_std']:.2f}", f"{100 * e['best_client_std']:.2f}"]
+                seeds.append(", ".join(map(str, e["seed_list"])))
+                rounds.append(", ".join(map(str, e["best_round"])))
+            else:
+                cells += ["-", "-"]
+        if detailed:
+            cells += ["; ".join(dict.fromkeys(seeds)) or "-", "; ".join(rounds) or "-"]
+        if suite.paper:
+            cells.append(str(suite.paper.get(base, "")))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
