@@ -409,3 +409,14 @@ def test_heatmap_large_grid_and_bad_input(tmp_path):
     assert Path(path).read_bytes()[:8] == PNG_SIGNATURE
     with pytest.raises(ValueError, match="class names"):
         plot_partition_heatmap(counts, tmp_path / "x.png", classes=["a"])
+
+
+def test_pathological_can_leave_out_uncovered_classes_as_pfllib_does():
+    """3 clients x 2 classes of 10: PFLlib's rule deals classes 0-5 and its code stops
+    there; uncovered=drop keeps that partition, every client with its 2 classes."""
+    labels = DIGITS[:1347]
+    parts = make_partition(labels, 3, "pathological", {"classes_per_client": 2, "uncovered": "drop"}, seed=0).train
+    held = [sorted(set(labels[p].tolist())) for p in parts]
+    assert all(len(h) == 2 for h in held)
+    assert sorted(c for h in held for c in h) == [0, 1, 2, 3, 4, 5]
+    assert sum(len(p) for p in parts) == int(np.isin(labels, range(6)).sum())

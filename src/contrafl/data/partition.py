@@ -67,6 +67,11 @@ class PathologicalOptions:
     least_samples: int = P.param(
         40, P.Interval(0, None), "PFLlib's least_samples (batch 10 / test share 0.25), capped at n/N/2"
     )
+    uncovered: str = P.param(
+        "error",
+        P.OneOf(("error", "drop")),
+        "classes the rule deals to no client (e.g. EMNIST's 47 with 20 clients x 10): an error, or left out as PFLlib's code does",
+    )
 
 
 @dataclass(frozen=True)
@@ -226,7 +231,8 @@ def _uncovered(clients: int, num_classes: int, per_client: int, missing: list[in
     return ConfigError(
         f"partition.classes_per_client={per_client} with num_clients={clients} leaves classes {missing} "
         f"without a client under PFLlib's rule; choose partition.classes_per_client={k} or num_clients={n} "
-        f"(num_clients * classes_per_client a multiple of {num_classes} always works)"
+        f"(num_clients * classes_per_client a multiple of {num_classes} always works), "
+        f"or partition.uncovered=drop to leave them out as PFLlib's code does"
     )
 
 
@@ -257,7 +263,7 @@ def _pathological(req: SplitRequest) -> list[np.ndarray]:
         selected = np.flatnonzero(remaining > 0)[:width]
         if len(selected) == 0:
             missing = [k for k in range(c, num_classes) if np.any(labels == k)]
-            if missing:
+            if missing and o.uncovered == "error":
                 raise _uncovered(clients, num_classes, o.classes_per_client, missing)
             break
         share = len(idx_c) / len(selected)
