@@ -259,7 +259,7 @@ class Simulation:
         g = generator(cfg.seed, "plan", t, cid)
         plans = []
         for i, phase in enumerate(phases):
-            epochs = task.epochs[i] if task.epochs is not None else phase.epochs or cfg.local_epochs
+            epochs = task.epochs[i] if task.epochs is not None else phase.epochs if phase.epochs is not None else cfg.local_epochs
             batch = phase.batch_size or cfg.batch_size
             plan = make_plan(self.rows[cid], epochs, batch, cfg.drop_last, self.setup.train_transform.sample, self.algorithm.views, g)
             plans.append(plan.to(self.device))
