@@ -169,7 +169,8 @@ class Stage:
     parameters after each optimiser step, ``w += post_step(task)[role][name]`` (the
     NIID-Bench form of SCAFFOLD's correction, ``-lr (c - c_i)``); like the loss it must be
     a function of tensors only. ``repeat`` optimiser steps are taken on the same batch
-    (pFedMe's K inner steps).
+    (pFedMe's K inner steps); the loss's statistics are summed over every step, repeats
+    included.
     """
 
     loss: LossFn
