@@ -101,7 +101,7 @@ def test_killed_in_the_middle_of_a_round_resumes_exactly(tmp_path, algorithm):
 PERSONALIZED = ["pool=true", "test_fraction=0.25", "optimizer=adam", "lr=0.003", "persist_optimizer_state=true"]
 
 
-@pytest.mark.parametrize("algorithm", ["fedcrl"])
+@pytest.mark.parametrize("algorithm", ["fedcrl", "ditto", "fedala"])
 def test_personalized_killed_in_the_middle_of_a_round_resumes_exactly(tmp_path, algorithm):
     settings = [f"algorithm={algorithm}", *SETTINGS, *PERSONALIZED]
     clean = _uninterrupted(tmp_path, settings)

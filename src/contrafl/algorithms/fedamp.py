@@ -185,7 +185,7 @@ class FedAMP(Algorithm):
         params, buffers = self.federation.split(self.own_model(state, message, ctx))
         if "cloud" in message:
             cloud = message["cloud"]
-            weight = self.params.lam / (2 * self.params.alpha_k)
+            weight = self.params.lam / self.params.alpha_k
             if self.params.start == "cloud":
                 params = {k: cloud[k] for k in params}
         else:  # no cloud model: the term is switched off by a zero weight (same task structure)
