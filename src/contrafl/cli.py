@@ -71,10 +71,16 @@ def cmd_run(ns: argparse.Namespace) -> int:
     run_dir = RunDir(path)
     if not ns.quiet:
         sizes = [len(r) for r in setup.partition.train]
+        data = (
+            f"{len(setup.data.train)} samples pooled"
+            if cfg.pool
+            else f"{len(setup.data.train)} train / {len(setup.data.test)} test"
+        )
+        local = " train" if setup.partition.test is not None else ""
         print(
             f"contrafl {__version__}: {cfg.algorithm.name} on {cfg.dataset.name} "
-            f"({len(setup.data.train)} train / {len(setup.data.test)} test), model {cfg.model.name}, "
-            f"{cfg.num_clients} clients ({cfg.partition.name}; {min(sizes)}-{max(sizes)} samples each), "
+            f"({data}), model {cfg.model.name}, "
+            f"{cfg.num_clients} clients ({cfg.partition.name}; {min(sizes)}-{max(sizes)}{local} samples each), "
             f"{cfg.rounds} rounds x {cfg.local_epochs} local epochs, {cfg.executor} executor on {setup.device.type}"
         )
         print(f"run directory: {run_dir.path}")
