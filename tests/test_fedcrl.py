@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import pytest
 import torch
 
-from contrafl.algorithms.base import Batch, Federation, LocalTask, Reply, ServerState, TaskView, TrainResult
+from contrafl.algorithms.base import Batch, Federation, ServerState, TaskView
 from contrafl.algorithms.fedcrl import FedCRL, FedCRLParams, adaptive_alpha
 from contrafl.algorithms.fedproto import FedProto, FedProtoParams
 from contrafl.algorithms.prototypes import (

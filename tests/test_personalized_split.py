@@ -16,7 +16,7 @@ import contrafl.algorithms.fedper  # noqa: F401
 import contrafl.algorithms.fedrep  # noqa: F401
 import contrafl.algorithms.lgfedavg  # noqa: F401
 from contrafl import params as P
-from contrafl.algorithms.base import Federation, Reply, ServerState, TrainResult
+from contrafl.algorithms.base import Federation, Reply, TrainResult
 from contrafl.algorithms.ditto import Ditto, DittoParams
 from contrafl.algorithms.fedper import FedPer
 from contrafl.algorithms.fedrep import FedRep, FedRepParams

@@ -6,7 +6,6 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch.nn import functional as F
 
 from .. import params as P
@@ -23,12 +22,13 @@ from .base import (
     StateDict,
     TaskView,
     TrainResult,
+    model_state,
     spec_of,
 )
 from .prototypes import aggregate_prototypes, contrastive_loss, label_sums, local_prototypes
 from .prototypes import reply_spec as prototype_spec
 from .registry import ALGORITHMS
-from .split import mix, split_head
+from .split import body_head_forward, body_head_task, mix, split_head
 
 ALPHA_RULES = ("exp", "power", "exp_inverse")
 
@@ -128,19 +128,13 @@ class FedCRL(Algorithm):
         return state["head"] if "head" in state else split_head(ctx.initial_state())[1]
 
     def client_begin(self, message: dict[str, Any], state: dict[str, Any], ctx: ClientContext) -> LocalTask:
-        body_params, body_buffers = self.federation.split(self.local_body(state, message["body"]))
-        head_params, head_buffers = self.federation.split(self.head(state, ctx))
-        task = LocalTask(
-            params={"body": body_params, "head": head_params},
-            buffers={"body": body_buffers, "head": head_buffers},
-        )
+        task = body_head_task(self.federation, self.local_body(state, message["body"]), self.head(state, ctx))
         if "prototypes" in message:
             task.consts["prototypes"] = message["prototypes"]
         return task
 
     def local_loss(self, task: TaskView, batch: Batch, net: Network):
-        state = {**task.params["body"], **task.params["head"], **task.buffers["body"], **task.buffers["head"]}
-        out = net(state, batch.x, train=True)
+        out = body_head_forward(task, batch, net)
         ce = F.cross_entropy(out.logits, batch.y)
         stats = label_sums(out.z, batch.y, self.federation.num_classes)
         if "prototypes" not in task.consts:
@@ -153,8 +147,7 @@ class FedCRL(Algorithm):
     def client_end(
         self, task: LocalTask, result: TrainResult, state: dict[str, Any], ctx: ClientContext
     ) -> tuple[Reply, dict[str, Any]]:
-        body = {**result.params["body"], **result.buffers["body"]}
-        head = {**result.params["head"], **result.buffers["head"]}
+        body, head = model_state(result, "body"), model_state(result, "head")
         prototypes = local_prototypes(result.stats, self.federation.num_classes, self.federation.rep_dim)
         new_state: dict[str, Any] = {"body": body, "head": head}
         if "crl" in result.stats and result.steps:

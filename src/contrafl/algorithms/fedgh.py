@@ -23,11 +23,12 @@ from .base import (
     StateDict,
     TaskView,
     TrainResult,
+    model_state,
 )
-from .prototypes import label_sums, local_prototypes
+from .prototypes import predicted_prototypes
 from .prototypes import reply_spec as prototype_spec
 from .registry import ALGORITHMS
-from .split import HEAD_PREFIX, split_head
+from .split import HEAD_PREFIX, body_head_task, split_ce, split_head
 
 
 @dataclass(frozen=True)
@@ -139,26 +140,16 @@ class FedGH(Algorithm):
         return state["body"] if "body" in state else split_head(ctx.initial_state())[0]
 
     def client_begin(self, message: dict[str, Any], state: dict[str, Any], ctx: ClientContext) -> LocalTask:
-        body_params, body_buffers = self.federation.split(self.body(state, ctx))
-        head_params, head_buffers = self.federation.split(message["head"])
-        return LocalTask(
-            params={"body": body_params, "head": head_params},
-            buffers={"body": body_buffers, "head": head_buffers},
-        )
+        return body_head_task(self.federation, self.body(state, ctx), message["head"])
 
     def local_loss(self, task: TaskView, batch: Batch, net: Network):
-        state = {**task.params["body"], **task.params["head"], **task.buffers["body"], **task.buffers["head"]}
-        ce = F.cross_entropy(net(state, batch.x, train=True).logits, batch.y)
-        return ce, {"loss": ce.detach()}
+        return split_ce(task, batch, net)
 
     def client_end(
         self, task: LocalTask, result: TrainResult, state: dict[str, Any], ctx: ClientContext
     ) -> tuple[Reply, dict[str, Any]]:
-        body = {**result.params["body"], **result.buffers["body"]}
-        head = {**result.params["head"], **result.buffers["head"]}
-        out, y = ctx.predict({**body, **head})
-        C = self.federation.num_classes
-        prototypes = local_prototypes(label_sums(out.z, y, C), C, out.z.shape[1])
+        body = model_state(result, "body")
+        prototypes = predicted_prototypes(ctx, {**body, **model_state(result, "head")}, self.federation.num_classes)
         return Reply(ctx.cid, ctx.num_samples, {"prototypes": prototypes}), {"body": body}
 
     def personal_model(self, state: dict[str, Any], message: dict[str, Any], ctx: ClientContext) -> PersonalModel:

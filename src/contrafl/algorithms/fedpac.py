@@ -26,12 +26,13 @@ from .base import (
     TaskView,
     TensorSpec,
     TrainResult,
+    model_state,
     spec_of,
 )
-from .prototypes import aggregate_prototypes, label_sums, local_prototypes, squared_distance_loss
+from .prototypes import aggregate_prototypes, predicted_prototypes, squared_distance_loss
 from .prototypes import reply_spec as prototype_spec
 from .registry import ALGORITHMS
-from .split import split_head
+from .split import body_head_forward, body_head_task, split_head
 
 
 @dataclass(frozen=True)
@@ -288,12 +289,7 @@ class FedPAC(Algorithm):
         return split_head(ctx.initial_state())[1]
 
     def client_begin(self, message: dict[str, Any], state: dict[str, Any], ctx: ClientContext) -> LocalTask:
-        body_params, body_buffers = self.federation.split(message["body"])
-        head_params, head_buffers = self.federation.split(self.head(message, state, ctx))
-        task = LocalTask(
-            params={"body": body_params, "head": head_params},
-            buffers={"body": body_buffers, "head": head_buffers},
-        )
+        task = body_head_task(self.federation, message["body"], self.head(message, state, ctx))
         if "prototypes" in message:
             task.consts["prototypes"] = message["prototypes"]
         return task
@@ -304,17 +300,12 @@ class FedPAC(Algorithm):
             Phase((Stage(self.body_loss, trains=("body",)),), name="body"),
         ]
 
-    @staticmethod
-    def _forward(task: TaskView, batch: Batch, net: Network):
-        state = {**task.params["body"], **task.params["head"], **task.buffers["body"], **task.buffers["head"]}
-        return net(state, batch.x, train=True)
-
     def head_loss(self, task: TaskView, batch: Batch, net: Network):
-        ce = F.cross_entropy(self._forward(task, batch, net).logits, batch.y)
+        ce = F.cross_entropy(body_head_forward(task, batch, net).logits, batch.y)
         return ce, {"loss": ce.detach(), "ce": ce.detach()}
 
     def body_loss(self, task: TaskView, batch: Batch, net: Network):
-        out = self._forward(task, batch, net)
+        out = body_head_forward(task, batch, net)
         ce = F.cross_entropy(out.logits, batch.y)
         if "prototypes" not in task.consts:
             return ce, {"loss": ce.detach(), "ce": ce.detach()}
@@ -332,10 +323,8 @@ class FedPAC(Algorithm):
         received = {**task.params["body"], **task.buffers["body"], **task.params["head"], **task.buffers["head"]}
         out, y = ctx.predict(received)
         v, h = feature_statistics(out.z, y, C)
-        body = {**result.params["body"], **result.buffers["body"]}
-        head = {**result.params["head"], **result.buffers["head"]}
-        out, y = ctx.predict({**body, **head})
-        prototypes = local_prototypes(label_sums(out.z, y, C), C, out.z.shape[1])
+        body, head = model_state(result, "body"), model_state(result, "head")
+        prototypes = predicted_prototypes(ctx, {**body, **head}, C)
         payload = {"body": body, "head": head, "prototypes": prototypes, "stats": {"V": v, "h": h}}
         return Reply(ctx.cid, ctx.num_samples, payload), {"head": head}
 

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
-
-import torch
-from torch.nn import functional as F
+from typing import Any, ClassVar
 
 from .. import params as P
 from .aggregation import sample_weights, weighted_average
@@ -21,27 +18,73 @@ from .base import (
     StateDict,
     TaskView,
     TrainResult,
+    model_state,
     spec_of,
 )
 from .registry import ALGORITHMS
-from .split import split_head
+from .split import body_head_task, split_ce, split_head
 
 
-def split_ce(task: TaskView, batch: Batch, net: Network) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """``CE(h(phi(x)), y)`` of the model made of the ``body`` and ``head`` roles."""
-    state = {**task.params["body"], **task.params["head"], **task.buffers["body"], **task.buffers["head"]}
-    out = net(state, batch.x, train=True)
-    loss = F.cross_entropy(out.logits, batch.y)
-    return loss, {"loss": loss.detach()}
+class SharedPart(Algorithm):
+    """Personalisation by layers: one part of the model (``shared``: ``"body"`` or
+    ``"head"``) is sent, trained jointly with the client's own other part, returned and
+    averaged by ``n_i``; the other part never leaves the client and starts from the
+    client's own initialisation. Evaluation: the received shared part with the
+    client's own part. FedPer shares the body, LG-FedAvg the head."""
 
+    shared: ClassVar[str]
+    Params = P.NoOptions
+    evaluates_global = False
+    personalized = True
 
-def role_state(result: TrainResult, role: str) -> StateDict:
-    """The trained ``role`` (parameters and buffers) as one partial state dict."""
-    return {**result.params[role], **result.buffers[role]}
+    @property
+    def kept(self) -> str:
+        """The part that stays on the client."""
+        return "head" if self.shared == "body" else "body"
+
+    @staticmethod
+    def parts(state: StateDict) -> dict[str, StateDict]:
+        body, head = split_head(state)
+        return {"body": body, "head": head}
+
+    # -- server ------------------------------------------------------------------------
+    def broadcast(self, server: ServerState, round: int) -> dict[str, Any]:
+        return {self.shared: self.parts(server.model)[self.shared]}
+
+    def reply_spec(self, message: dict[str, Any]) -> dict[str, Any]:
+        return {self.shared: spec_of(message[self.shared])}
+
+    def aggregate(self, server: ServerState, replies: list[Reply], round: int) -> ServerState:
+        part = weighted_average([r.payload[self.shared] for r in replies], sample_weights(replies))
+        return ServerState({**server.model, **part}, server.extras)
+
+    # -- client ------------------------------------------------------------------------
+    def init_client(self, ctx: ClientContext) -> dict[str, Any]:
+        return {self.kept: self.parts(ctx.initial_state())[self.kept]}
+
+    def model_parts(self, message: dict[str, Any], state: dict[str, Any]) -> dict[str, Any]:
+        return {self.shared: message[self.shared], self.kept: state[self.kept]}
+
+    def client_begin(self, message: dict[str, Any], state: dict[str, Any], ctx: ClientContext) -> LocalTask:
+        parts = self.model_parts(message, state)
+        return body_head_task(self.federation, parts["body"], parts["head"])
+
+    def local_loss(self, task: TaskView, batch: Batch, net: Network):
+        return split_ce(task, batch, net)
+
+    def client_end(
+        self, task: LocalTask, result: TrainResult, state: dict[str, Any], ctx: ClientContext
+    ) -> tuple[Reply, dict[str, Any]]:
+        reply = Reply(ctx.cid, ctx.num_samples, {self.shared: model_state(result, self.shared)})
+        return reply, {self.kept: model_state(result, self.kept)}
+
+    def personal_model(self, state: dict[str, Any], message: dict[str, Any], ctx: ClientContext) -> PersonalModel:
+        parts = self.model_parts(message, state)
+        return PersonalModel({**parts["body"], **parts["head"]})
 
 
 @ALGORITHMS.register("fedper")
-class FedPer(Algorithm):
+class FedPer(SharedPart):
     """FedPer (Arivazhagan, Aggarwal, Singh, Choudhary, arXiv 1912.00818, 2019).
 
     The model is split into a body ``phi`` (everything but the classifier, shared) and a
@@ -63,41 +106,4 @@ class FedPer(Algorithm):
     name = "fedper"
     summary = "FedPer: share and average the body; each client keeps its own classifier head"
     paper = "Arivazhagan, Aggarwal, Singh, Choudhary, Federated Learning with Personalization Layers, arXiv 1912.00818, 2019"
-    Params = P.NoOptions
-    evaluates_global = False
-    personalized = True
-
-    # -- server ------------------------------------------------------------------------
-    def broadcast(self, server: ServerState, round: int) -> dict[str, Any]:
-        return {"body": split_head(server.model)[0]}
-
-    def reply_spec(self, message: dict[str, Any]) -> dict[str, Any]:
-        return {"body": spec_of(message["body"])}
-
-    def aggregate(self, server: ServerState, replies: list[Reply], round: int) -> ServerState:
-        body = weighted_average([r.payload["body"] for r in replies], sample_weights(replies))
-        return ServerState({**server.model, **body}, server.extras)
-
-    # -- client ------------------------------------------------------------------------
-    def init_client(self, ctx: ClientContext) -> dict[str, Any]:
-        return {"head": split_head(ctx.initial_state())[1]}
-
-    def client_begin(self, message: dict[str, Any], state: dict[str, Any], ctx: ClientContext) -> LocalTask:
-        body_params, body_buffers = self.federation.split(message["body"])
-        head_params, head_buffers = self.federation.split(state["head"])
-        return LocalTask(
-            params={"body": body_params, "head": head_params},
-            buffers={"body": body_buffers, "head": head_buffers},
-        )
-
-    def local_loss(self, task: TaskView, batch: Batch, net: Network):
-        return split_ce(task, batch, net)
-
-    def client_end(
-        self, task: LocalTask, result: TrainResult, state: dict[str, Any], ctx: ClientContext
-    ) -> tuple[Reply, dict[str, Any]]:
-        body, head = role_state(result, "body"), role_state(result, "head")
-        return Reply(ctx.cid, ctx.num_samples, {"body": body}), {"head": head}
-
-    def personal_model(self, state: dict[str, Any], message: dict[str, Any], ctx: ClientContext) -> PersonalModel:
-        return PersonalModel({**message["body"], **state["head"]})
+    shared = "body"

@@ -2,30 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
-
-from .. import params as P
-from .aggregation import sample_weights, weighted_average
-from .base import (
-    Algorithm,
-    Batch,
-    ClientContext,
-    LocalTask,
-    Network,
-    PersonalModel,
-    Reply,
-    ServerState,
-    TaskView,
-    TrainResult,
-    spec_of,
-)
-from .fedper import role_state, split_ce
+from .fedper import SharedPart
 from .registry import ALGORITHMS
-from .split import split_head
 
 
 @ALGORITHMS.register("lg_fedavg")
-class LGFedAvg(Algorithm):
+class LGFedAvg(SharedPart):
     """LG-FedAvg (Liang, Liu, Ziyin, Allen, Auerbach, Brent, Salakhutdinov, Morency,
     arXiv 2001.01523, 2020), as PFLlib implements it.
 
@@ -54,41 +36,4 @@ class LGFedAvg(Algorithm):
         "Liang, Liu, Ziyin, Allen, Auerbach, Brent, Salakhutdinov, Morency, Think Locally, Act Globally: "
         "Federated Learning with Local and Global Representations, arXiv 2001.01523, 2020"
     )
-    Params = P.NoOptions
-    evaluates_global = False
-    personalized = True
-
-    # -- server ------------------------------------------------------------------------
-    def broadcast(self, server: ServerState, round: int) -> dict[str, Any]:
-        return {"head": split_head(server.model)[1]}
-
-    def reply_spec(self, message: dict[str, Any]) -> dict[str, Any]:
-        return {"head": spec_of(message["head"])}
-
-    def aggregate(self, server: ServerState, replies: list[Reply], round: int) -> ServerState:
-        head = weighted_average([r.payload["head"] for r in replies], sample_weights(replies))
-        return ServerState({**server.model, **head}, server.extras)
-
-    # -- client ------------------------------------------------------------------------
-    def init_client(self, ctx: ClientContext) -> dict[str, Any]:
-        return {"body": split_head(ctx.initial_state())[0]}
-
-    def client_begin(self, message: dict[str, Any], state: dict[str, Any], ctx: ClientContext) -> LocalTask:
-        body_params, body_buffers = self.federation.split(state["body"])
-        head_params, head_buffers = self.federation.split(message["head"])
-        return LocalTask(
-            params={"body": body_params, "head": head_params},
-            buffers={"body": body_buffers, "head": head_buffers},
-        )
-
-    def local_loss(self, task: TaskView, batch: Batch, net: Network):
-        return split_ce(task, batch, net)
-
-    def client_end(
-        self, task: LocalTask, result: TrainResult, state: dict[str, Any], ctx: ClientContext
-    ) -> tuple[Reply, dict[str, Any]]:
-        body, head = role_state(result, "body"), role_state(result, "head")
-        return Reply(ctx.cid, ctx.num_samples, {"head": head}), {"body": body}
-
-    def personal_model(self, state: dict[str, Any], message: dict[str, Any], ctx: ClientContext) -> PersonalModel:
-        return PersonalModel({**state["body"], **message["head"]})
+    shared = "head"

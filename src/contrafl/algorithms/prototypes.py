@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch.nn import functional as F
 
-from .base import TensorSpec
+from .base import ClientContext, TensorSpec
 
 
 def label_sums(z: torch.Tensor, y: torch.Tensor, num_classes: int) -> dict[str, torch.Tensor]:
@@ -40,6 +40,13 @@ def local_prototypes(stats: Mapping[str, torch.Tensor], num_classes: int, dim: i
     counts = stats["proto_count"].round().long()
     reps = stats["proto_sum"] / counts.clamp(min=1).unsqueeze(1).to(stats["proto_sum"].dtype)
     return {"reps": reps, "counts": counts}
+
+
+def predicted_prototypes(ctx: ClientContext, state: Mapping[str, torch.Tensor], num_classes: int) -> dict[str, torch.Tensor]:
+    """Local prototypes of ``state`` over the client's whole training data in eval mode
+    (FedGH's and FedPAC's ``collect_protos``), as a reply ``{"reps", "counts"}``."""
+    out, y = ctx.predict(state)
+    return local_prototypes(label_sums(out.z, y, num_classes), num_classes, out.z.shape[1])
 
 
 def aggregate_prototypes(

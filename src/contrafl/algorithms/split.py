@@ -14,8 +14,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import torch
+from torch.nn import functional as F
 
-from .base import StateDict
+from ..models.base import ModelOutput
+from .base import Batch, Federation, LocalTask, Network, StateDict, TaskView
 
 HEAD_PREFIX = "l3."
 
@@ -39,3 +41,26 @@ def mix(local: Mapping[str, torch.Tensor], other: Mapping[str, torch.Tensor], al
         k: torch.lerp(other[k], v, alpha if isinstance(alpha, torch.Tensor) else float(alpha)) if v.is_floating_point() else v
         for k, v in local.items()
     }
+
+
+def body_head_task(federation: Federation, body: Mapping[str, torch.Tensor], head: Mapping[str, torch.Tensor]) -> LocalTask:
+    """A local task training the roles ``body`` and ``head`` (each a partial state dict,
+    split into parameters and buffers)."""
+    body_params, body_buffers = federation.split(body)
+    head_params, head_buffers = federation.split(head)
+    return LocalTask(
+        params={"body": body_params, "head": head_params},
+        buffers={"body": body_buffers, "head": head_buffers},
+    )
+
+
+def body_head_forward(task: TaskView, batch: Batch, net: Network) -> ModelOutput:
+    """Train-mode forward of the model made of the ``body`` and ``head`` roles."""
+    state = {**task.params["body"], **task.params["head"], **task.buffers["body"], **task.buffers["head"]}
+    return net(state, batch.x, train=True)
+
+
+def split_ce(task: TaskView, batch: Batch, net: Network) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """``CE(h(phi(x)), y)`` of the model made of the ``body`` and ``head`` roles."""
+    loss = F.cross_entropy(body_head_forward(task, batch, net).logits, batch.y)
+    return loss, {"loss": loss.detach()}
