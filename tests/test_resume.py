@@ -18,6 +18,7 @@ import textwrap
 import pytest
 
 from contrafl.cli import main
+from test_orchestra import ORCHESTRA, tiny_cifar
 
 CLIENTS = 4
 SETTINGS = [f"num_clients={CLIENTS}", "rounds=4", "local_epochs=1", "executor=sequential", "eval_personal=true"]
@@ -124,6 +125,17 @@ def test_self_supervised_killed_in_the_middle_of_a_round_resumes_exactly(tmp_pat
     clean = _uninterrupted(tmp_path, settings)
     run = tmp_path / "run"
     _killed_run(run, "round", 2 * CLIENTS + 2, settings)
+    assert main(["run", "--quiet", "--resume", str(run)]) == 0
+    assert (run / "metrics.jsonl").read_bytes() == clean
+
+
+def test_orchestra_killed_in_the_middle_of_a_round_resumes_exactly(tmp_path):
+    """Orchestra's state: the server's centroids; each client's target network, memory of
+    projections and SGD momentum (persisted); on CIFAR-10-format images, augmented."""
+    settings = [*ORCHESTRA, "num_clients=4", "rounds=3", "persist_optimizer_state=true", *tiny_cifar(tmp_path / "data")]
+    clean = _uninterrupted(tmp_path, settings)
+    run = tmp_path / "run"
+    _killed_run(run, "round", 4 + 2, settings)  # round 2 (the first that trains), two clients done
     assert main(["run", "--quiet", "--resume", str(run)]) == 0
     assert (run / "metrics.jsonl").read_bytes() == clean
 

@@ -281,13 +281,14 @@ def cmd_eval_repr(ns: argparse.Namespace) -> int:
     from .eval.probe import evaluate_run
 
     result = evaluate_run(
-        Path(ns.run_dir), ns.protocol, label_fraction=ns.label_fraction, epochs=ns.epochs, seed=ns.seed, device=ns.device
+        Path(ns.run_dir), ns.protocol, label_fraction=ns.label_fraction, epochs=ns.epochs, seed=ns.seed,
+        device=ns.device, clients=ns.clients, local=not ns.no_local,
     )
     if ns.protocol == "spectrum":
-        values = result["singular_values"]
-        effective = sum(v > 1e-3 * values[0] for v in values) if values and values[0] > 0 else 0
-        print(f"{ns.run_dir}: spectrum of {len(values)} singular values at round {result['round']}, "
-              f"{effective} above 1e-3 of the largest; saved in representation/spectrum.json and spectrum.png")
+        ranks = [r["effective_rank"] for r in result.get("local", {}).values()]
+        local = f", local models of {len(ranks)} clients {min(ranks):.1f} to {max(ranks):.1f}" if ranks else ""
+        print(f"{ns.run_dir}: spectrum of {len(result['singular_values'])} singular values at round {result['round']}, "
+              f"effective rank {result['effective_rank']:.1f}{local}; saved in representation/spectrum.json and spectrum.png")
     else:
         what = {"knn": "kNN", "linear": "linear-probe", "finetune": f"fine-tuning ({result.get('label_fraction', 0):.0%} labels)"}
         print(f"{ns.run_dir}: {what[ns.protocol]} accuracy {result['acc']:.4f} (global model of round {result['round']}; "
@@ -488,7 +489,9 @@ def build_parser() -> argparse.ArgumentParser:
               linear    linear classifier on frozen features: Adam 3e-3, batch 512, 200 epochs
               finetune  encoder + linear head on --label-fraction of the labels (class-stratified):
                         SGD momentum 0.9, lr 1e-3 encoder / 0.3 head, batch 128, 200 epochs
-              spectrum  singular values of the representation covariance (FedU2's Figure 3), plotted
+              spectrum  singular values of the representation covariance (FedU2's Figure 3), plotted,
+                        of the global model and of the local models of --clients after one
+                        more round of local training (the checkpoint and metrics stay as they are)
             The result goes to RUN_DIR/representation/<protocol>.json, e.g.
               contrafl eval-repr runs/fedu2 --protocol linear
               contrafl eval-repr runs/fedu2 --protocol finetune --label-fraction 0.1"""
@@ -501,6 +504,9 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--epochs", type=int, help="linear / finetune epochs (default 200)")
     ev.add_argument("--seed", type=int, default=0, help="seed of the probe's initialisation, order and labelled subset")
     ev.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    ev.add_argument("--clients", metavar="IDS",
+                    help="spectrum: clients whose local models are added, e.g. 0,3,5 or all (default: the first 10)")
+    ev.add_argument("--no-local", action="store_true", help="spectrum: the global model only")
     ev.set_defaults(func=cmd_eval_repr)
 
     rep = sub.add_parser(

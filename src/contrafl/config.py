@@ -132,6 +132,8 @@ NEUTRAL_VALUES: dict[str, Any] = {
     "knn_temperature": 0.1,
     "model.projection_hidden": None,
     "model.projection_bn": False,
+    "model.projection_bias": True,
+    "model.projection_out_bn": False,
 }
 
 

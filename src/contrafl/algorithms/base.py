@@ -95,6 +95,11 @@ class ClientContext(Protocol):
         """The client's training samples, normalised without augmentation, and their
         labels, in the partition's order."""
 
+    def augmented_data(self, view: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        """The client's training samples through the run's training pipeline of view
+        ``view`` (random parameters drawn from ``generator``), and their labels, in the
+        partition's order."""
+
     def generator(self, *key: object) -> torch.Generator:
         """A random stream derived from (seed, round, client, ``key``)."""
 
@@ -105,7 +110,9 @@ class LocalTask:
 
     Attributes:
         params: trainable parameters by role (``{"model": {...}}``; FedSiam-DA also
-            trains a ``"branch"``). Each role is a model of the run's architecture.
+            trains a ``"branch"``). Each role is a model of the run's architecture, or
+            tensors that only :attr:`Stage.pre_step` / :attr:`Stage.post_step` change
+            (Orchestra's memory bank).
         buffers: buffers (BatchNorm statistics) of each trained role, updated by
             train-mode forwards.
         frozen: eval-mode models (full state dicts) used by the loss, never updated, e.g.
@@ -162,6 +169,7 @@ class Network(Protocol):
 
 
 LossFn = Callable[[TaskView, Batch, Network], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+StepUpdate = Callable[[TaskView, Batch, Network], dict[str, StateDict]]
 
 
 @dataclass(frozen=True)
@@ -170,13 +178,16 @@ class Stage:
 
     Most algorithms have one stage training every role. FedSiam-DA's alternating update
     (its eqs. 8-9) is two stages: first the global branch, then the local model.
-    ``post_step(task)`` optionally returns additive updates applied after each optimiser
-    step, ``w += post_step(task)[role][name]`` for every entry it returns, to trained
-    parameters (the NIID-Bench form of SCAFFOLD's correction, ``-lr (c - c_i)``) or to
-    parameters of roles that are not trained by gradients (BYOL's target network,
-    ``xi += (1 - tau)(theta - xi)``); like the loss it must be a function of tensors
-    only. ``repeat`` optimiser steps are taken on the same batch (pFedMe's K inner
-    steps); the loss's statistics are summed over every step, repeats included.
+    ``repeat`` optimiser steps are taken on the same batch (pFedMe's K inner steps); the
+    loss's statistics are summed over every step, repeats included.
+
+    Updates that gradients do not make: ``pre_step(task, batch)`` before the loss of
+    each optimiser step and ``post_step(task, batch)`` after it optionally return new
+    values, ``w <- update[role][name]`` for every entry they return, of trained
+    parameters (the NIID-Bench form of SCAFFOLD's correction, ``w - lr (c - c_i)``) or
+    of roles that gradients do not train: BYOL's target network after each step, ``xi +
+    (1 - tau)(theta - xi)``; Orchestra's target before it and its memory bank of target
+    projections after it. Like the loss they must be functions of tensors only.
 
     ``noise`` names standard-normal tensors and their shapes (``(("samples", (128,
     512)),)``) that every optimiser step of the stage receives fresh in ``batch.noise``:
@@ -186,9 +197,10 @@ class Stage:
 
     loss: LossFn
     trains: tuple[str, ...] | None = None
-    post_step: Callable[[TaskView], dict[str, StateDict]] | None = None
+    post_step: StepUpdate | None = None
     repeat: int = 1
     noise: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    pre_step: StepUpdate | None = None
 
 
 @dataclass(frozen=True)

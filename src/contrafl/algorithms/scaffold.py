@@ -123,10 +123,14 @@ class Scaffold(FedAvg):
         linear = sum((w * (c[k] - c_i[k])).sum() for k, w in task.params["model"].items())
         return ce + linear, {"loss": ce.detach()}
 
-    def post_step(self, task: TaskView) -> dict[str, StateDict]:
-        """NIID-Bench's correction after each optimiser step: ``-lr (c - c_i)``."""
+    def post_step(self, task: TaskView, batch: Batch, net: Network) -> dict[str, StateDict]:
+        """NIID-Bench's update after each optimiser step: ``w <- w + correction``."""
+        return {"model": {k: w + d for (k, w), d in zip(task.params["model"].items(), self.correction(task).values())}}
+
+    def correction(self, task: TaskView) -> StateDict:
+        """``-lr (c - c_i)`` for every parameter."""
         c, c_i, lr = task.consts["c"], task.consts["c_i"], self.federation.lr
-        return {"model": {k: (c[k] - c_i[k]) * -lr for k in task.params["model"]}}
+        return {k: (c[k] - c_i[k]) * -lr for k in task.params["model"]}
 
     def client_end(
         self, task: LocalTask, result: TrainResult, state: dict[str, Any], ctx: ClientContext

@@ -253,11 +253,9 @@ class SelfSupervised(Algorithm):
         """An extra term of the local loss and its statistics: none here."""
         return torch.zeros((), device=o1.z.device), {}
 
-    def ema_step(self, task: TaskView) -> dict[str, StateDict]:
-        """BYOL's target update as an increment: ``xi += (1 - ema)(theta - xi)``."""
-        online, target = task.params["model"], task.params["target"]
-        rate = 1 - self.params.ema
-        return {"target": {k: rate * (online[k] - target[k]) for k in target if not k.startswith(HEADLESS)}}
+    def ema_step(self, task: TaskView, batch: Batch, net: Network) -> dict[str, StateDict]:
+        """BYOL's target update ``xi <- xi + (1 - ema)(theta - xi)``."""
+        return {"target": ema_update(task.params["target"], task.params["model"], self.params.ema)}
 
     def client_end(
         self, task: LocalTask, result: TrainResult, state: dict[str, Any], ctx: ClientContext
@@ -270,6 +268,13 @@ class SelfSupervised(Algorithm):
             else:
                 state = {**state, "target": target}
         return Reply(ctx.cid, ctx.num_samples, payload), state
+
+
+def ema_update(target: StateDict, online: StateDict, ema: float) -> StateDict:
+    """``xi + (1 - ema)(theta - xi)`` for every parameter ``xi`` of the target network
+    (encoder and projector)."""
+    rate = 1 - ema
+    return {k: xi + rate * (online[k] - xi) for k, xi in target.items() if not k.startswith(HEADLESS)}
 
 
 def target_part(state: StateDict) -> StateDict:

@@ -11,12 +11,14 @@ Every op works on a whole batch with tensor operations on the device of the inpu
 rotations are gathers at integer source coordinates, flips are a ``torch.where``. Geometric ops
 run before :class:`ToFloat`, i.e. on ``uint8`` pixels. :class:`RandomResizedCrop`
 interpolates and therefore returns floats in [0, 1]; the colour ops after it
-(:class:`ColorJitter`, :class:`RandomGrayscale`) work on such floats. Inputs may carry extra
+(:class:`ColorJitter`, :class:`RandomGrayscale`, :class:`GaussianBlur`,
+:class:`RandomSolarize`) work on such floats. Inputs may carry extra
 leading dimensions, ``[K, B, C, H, W]`` with parameters ``[K, B, ...]``, to augment the batches
 of ``K`` clients in one call.
 
 :data:`AUGMENTATIONS` maps pipeline names (``DatasetSpec.augment``, or the config setting
-``augment=NAME``, e.g. ``augment=simclr``) to factories ``(mean, std) -> Transform``;
+``augment=NAME``, e.g. ``augment=simclr``) to factories ``(mean, std) -> Transform``, or
+``-> Views`` for pipelines that differ per view (``augment=orchestra``);
 ``contrafl list augmentations`` prints the registered names.
 """
 
@@ -36,6 +38,7 @@ from ..registry import Registry
 __all__ = [
     "AUGMENTATIONS",
     "ColorJitter",
+    "GaussianBlur",
     "Normalize",
     "Op",
     "Params",
@@ -44,10 +47,13 @@ __all__ = [
     "RandomHorizontalFlip",
     "RandomResizedCrop",
     "RandomRotation",
+    "RandomSolarize",
     "ToFloat",
     "Transform",
     "TransformFactory",
+    "Views",
     "eval_transform",
+    "view_transform",
 ]
 
 Params = dict[str, torch.Tensor]
@@ -114,6 +120,29 @@ class Transform:
 
     def __repr__(self) -> str:
         return f"Transform({', '.join(map(repr, self.ops))})"
+
+
+class Views:
+    """Per-view training pipelines: view ``v`` of a sample goes through
+    ``transforms[v % len(transforms)]`` (Orchestra's asymmetric ``T1``/``T2``: views 0 and
+    2 through ``T1``, view 1 through ``T2``). A single :class:`Transform` is the case of
+    one pipeline for every view."""
+
+    def __init__(self, *transforms: Transform) -> None:
+        if not transforms:
+            raise ValueError("Views needs at least one Transform")
+        self.transforms = transforms
+
+    def __getitem__(self, view: int) -> Transform:
+        return self.transforms[view % len(self.transforms)]
+
+    def __repr__(self) -> str:
+        return f"Views({', '.join(map(repr, self.transforms))})"
+
+
+def view_transform(pipeline: Transform | Views, view: int) -> Transform:
+    """The transform of view ``view`` (0-based) of a training pipeline."""
+    return pipeline[view] if isinstance(pipeline, Views) else pipeline
 
 
 @dataclass(frozen=True)
@@ -257,7 +286,7 @@ class RandomRotation(Op):
 class RandomResizedCrop(Op):
     """Crop a random box of random area and aspect ratio, resized to ``size x size``.
 
-    Like torchvision's ``RandomResizedCrop(size, scale, ratio)`` (bilinear). The box of an
+    Like torchvision's ``RandomResizedCrop(size, scale, ratio, interpolation)``. The box of an
     ``H x W`` image follows ``RandomResizedCrop.get_params``: of 10 attempts with area
     ``a ~ U(scale) * H W`` and aspect ratio ``r = exp(U(log ratio))``, the first whose
     ``w = round(sqrt(a r))``, ``h = round(sqrt(a / r))`` satisfy ``0 < w <= W`` and
@@ -267,8 +296,26 @@ class RandomResizedCrop(Op):
     tensor ``resize(crop, size, antialias=False)``, i.e. ``F.interpolate(crop, size,
     mode="bilinear", align_corners=False)``: along each axis, output ``o`` reads the crop at
     ``s = max(0, (o + 0.5) h / size - 0.5)``, linearly between pixels ``floor(s)`` and
-    ``min(floor(s) + 1, h - 1)``. ``uint8`` pixels are first taken as ``x / 255``, so the
-    output is float in [0, 1].
+    ``min(floor(s) + 1, h - 1)`` (``interpolation="bilinear"``, the default).
+
+    ``interpolation="bicubic"`` matches torchvision's ``InterpolationMode.BICUBIC`` on PIL
+    images, i.e. PIL's ``Image.resize(..., BICUBIC)`` (``libImaging/Resample.c``), which is
+    also what ``F.interpolate(crop, size, mode="bicubic", antialias=True)`` computes (the
+    ``antialias`` path of torch uses PIL's filter; torch's plain ``bicubic`` uses
+    ``a = -0.75`` and clamped indices instead): the Keys cubic ``k(t) = (a + 2)|t|^3 -
+    (a + 3)|t|^2 + 1`` for ``|t| < 1``, ``a (|t|^3 - 5|t|^2 + 8|t| - 4)`` for
+    ``1 <= |t| < 2`` with ``a = -0.5``, widened by ``f = max(1, h / size)`` when
+    downscaling (antialias). Along each axis, output ``o`` is centred at
+    ``c = (o + 0.5) h / size`` and takes crop pixel ``j`` (``0 <= j < h``; pixels outside
+    the crop get no weight) with weight ``k((j + 0.5 - c) / f)``, normalised to sum 1 over
+    ``j``. Unlike PIL on 8-bit images, the horizontal pass, the vertical pass and the
+    output are neither rounded to integers nor clipped between the passes (on smooth images
+    the two agree to about one grey level); outputs of ``uint8`` inputs are clamped to
+    [0, 1] as PIL's are (cubic weights overshoot), float inputs are not. The weights form
+    dense per-sample ``size x H`` and ``size x W`` matrices, applied as two batched float32
+    matrix products (on CUDA these use TF32 only if TF32 matmuls are switched on).
+
+    ``uint8`` pixels are first taken as ``x / 255``, so the output is float in [0, 1].
 
     The random draws do not depend on the image size (``area`` is the fraction of the image,
     ``position`` is ``U[0, 1)`` scaled to the free range in :meth:`boxes`); they are float64,
@@ -278,6 +325,7 @@ class RandomResizedCrop(Op):
     size: int
     scale: tuple[float, float] = (0.08, 1.0)
     ratio: tuple[float, float] = (3 / 4, 4 / 3)
+    interpolation: str = "bilinear"
 
     keys = ("area", "aspect", "position")
     attempts: ClassVar[int] = 10
@@ -289,6 +337,8 @@ class RandomResizedCrop(Op):
                 f"RandomResizedCrop needs size >= 1, 0 <= scale[0] <= scale[1] and "
                 f"0 < ratio[0] <= ratio[1]; got size {self.size}, scale {self.scale}, ratio {self.ratio}"
             )
+        if self.interpolation not in ("bilinear", "bicubic"):
+            raise ValueError(f"interpolation {self.interpolation!r}: expected 'bilinear' or 'bicubic'")
 
     def sample(self, n: int, generator: torch.Generator) -> Params:
         shape = (n, self.attempts)
@@ -321,11 +371,18 @@ class RandomResizedCrop(Op):
 
     def apply(self, x: torch.Tensor, params: Params) -> torch.Tensor:
         _check_per_sample(x, params["area"], trailing=1)
+        raw = x.dtype == torch.uint8
         x = _unit_float(x)
         *lead, c, h, w = x.shape
         top, left, height, width = (t.reshape(-1) for t in self.boxes(h, w, params))
         flat, s = x.reshape(-1, c, h, w), self.size
         n = flat.shape[0]
+        if self.interpolation == "bicubic":  # out = R x C^T with R, C [n, s, h | w]
+            rows = _cubic_weights(top, height, s, h, x.dtype)[:, None]
+            cols = _cubic_weights(left, width, s, w, x.dtype)[:, None]
+            out = rows @ flat @ cols.transpose(-1, -2)
+            out = out.clamp_(0, 1) if raw else out
+            return out.view(*lead, c, s, s)
         row0, row1, row_weight = _linear_taps(top, height, s, x.dtype)
         col0, col1, col_weight = _linear_taps(left, width, s, x.dtype)
         rows = [flat.gather(-2, r[:, None, :, None].expand(n, c, s, w)) for r in (row0, row1)]
@@ -422,7 +479,103 @@ class RandomGrayscale(Op):
         return torch.where(gray[..., None, None, None], _grayscale(x).expand_as(x), x)
 
 
-TransformFactory = Callable[[Sequence[float] | None, Sequence[float] | None], Transform]
+@dataclass(frozen=True)
+class GaussianBlur(Op):
+    """With probability ``p``, blur each image with a ``kernel_size x kernel_size`` Gaussian
+    of standard deviation ``sigma ~ U(sigma)`` (torchvision's ``RandomApply([GaussianBlur(
+    kernel_size, sigma)], p)``, whose ``F.gaussian_blur`` builds the kernel and pads the same
+    way on tensors and, via a tensor, on PIL images).
+
+    The kernel is separable: ``g = exp(-u^2 / (2 sigma^2))`` normalised to sum 1 over
+    ``u = -(k - 1) / 2 .. (k - 1) / 2`` (torchvision's ``_get_gaussian_kernel1d``), and
+    ``out[r, c] = sum_ij g[i] g[j] x[r + i - k // 2, c + j - k // 2]`` with the image
+    mirrored at its border without repeating the edge (``F.pad(..., mode="reflect")``).
+    Every sample has its own ``sigma``; the blur is the same filter in both directions.
+    ``uint8`` pixels are first taken as ``x / 255``; unlike torchvision on ``uint8``/PIL
+    images, the result is not rounded back to integers.
+    """
+
+    kernel_size: int = 3
+    sigma: tuple[float, float] = (0.1, 2.0)
+    p: float = 0.5
+
+    keys = ("apply", "sigma")
+
+    def __post_init__(self) -> None:
+        if self.kernel_size < 1 or self.kernel_size % 2 == 0:
+            raise ValueError(f"GaussianBlur kernel_size {self.kernel_size}: expected an odd positive integer")
+        if not 0 < self.sigma[0] <= self.sigma[1]:
+            raise ValueError(f"GaussianBlur sigma {self.sigma}: expected 0 < sigma[0] <= sigma[1]")
+        if not 0 <= self.p <= 1:
+            raise ValueError(f"GaussianBlur probability p = {self.p} outside [0, 1]")
+
+    def sample(self, n: int, generator: torch.Generator) -> Params:
+        """``apply [n]`` (bool) and ``sigma [n]`` (float32), drawn in that order."""
+        apply = torch.rand(n, generator=generator) < self.p
+        sigma = torch.empty(n).uniform_(*self.sigma, generator=generator)
+        return {"apply": apply, "sigma": sigma}
+
+    def kernel(self, sigma: torch.Tensor) -> torch.Tensor:
+        """The 1-D kernels ``[..., kernel_size]`` of the standard deviations ``sigma [...]``."""
+        half = (self.kernel_size - 1) * 0.5
+        u = torch.linspace(-half, half, self.kernel_size, device=sigma.device)
+        pdf = torch.exp(-0.5 * (u / sigma[..., None]).pow(2))
+        return pdf / pdf.sum(-1, keepdim=True)
+
+    def apply(self, x: torch.Tensor, params: Params) -> torch.Tensor:
+        apply = params["apply"]
+        _check_per_sample(x, apply)
+        x = _unit_float(x)
+        *lead, c, h, w = x.shape
+        k, pad = self.kernel_size, self.kernel_size // 2
+        if pad >= min(h, w):
+            raise ValueError(f"GaussianBlur kernel_size {k} needs images larger than {h}x{w}")
+        flat = x.reshape(-1, c, h, w)
+        g = self.kernel(params["sigma"].reshape(-1)).to(x.dtype)[:, None, None, None, :]  # [N, 1, 1, 1, k]
+        padded = torch.nn.functional.pad(flat, (pad, pad, pad, pad), mode="reflect")
+        rows = padded[..., :h, :] * g[..., 0]  # vertical pass: [N, C, H, W + 2 pad]
+        for i in range(1, k):
+            rows.addcmul_(padded[..., i : i + h, :], g[..., i])
+        out = rows[..., :w] * g[..., 0]  # horizontal pass
+        for j in range(1, k):
+            out.addcmul_(rows[..., j : j + w], g[..., j])
+        return torch.where(apply.reshape(-1)[:, None, None, None], out, flat).view_as(x)
+
+
+@dataclass(frozen=True)
+class RandomSolarize(Op):
+    """With probability ``p``, invert every pixel at or above ``threshold``: ``x -> 1 - x``
+    for floats in [0, 1], ``x -> 255 - x`` for ``uint8`` pixels (which stay ``uint8``),
+    as torchvision's ``RandomSolarize`` / ``F.solarize``. ``threshold`` is a fraction of the
+    maximum value, compared with ``x`` for floats and with ``x / 255`` for ``uint8``: the
+    default 0.5 inverts ``uint8`` pixels ``>= 128``, which is PIL's ``ImageOps.solarize``
+    (threshold 128) that Orchestra/BYOL's ``Solarization`` applies, and on unrounded floats
+    it inverts exactly the values that round to such pixels (``round(255 x) >= 128``)."""
+
+    threshold: float = 0.5
+    p: float = 0.2
+
+    keys = ("apply",)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.p <= 1:
+            raise ValueError(f"RandomSolarize probability p = {self.p} outside [0, 1]")
+
+    def sample(self, n: int, generator: torch.Generator) -> Params:
+        return {"apply": torch.rand(n, generator=generator) < self.p}
+
+    def apply(self, x: torch.Tensor, params: Params) -> torch.Tensor:
+        apply = params["apply"]
+        _check_per_sample(x, apply)
+        if x.dtype == torch.uint8:
+            bound, threshold = 255, self.threshold * 255
+        else:
+            bound, threshold = 1.0, self.threshold
+        invert = (x >= threshold) & apply[..., None, None, None]
+        return torch.where(invert, bound - x, x)
+
+
+TransformFactory = Callable[[Sequence[float] | None, Sequence[float] | None], "Transform | Views"]
 
 AUGMENTATIONS: Registry[TransformFactory] = Registry("augmentation")
 
@@ -481,6 +634,47 @@ def finetune_transform(mean: Sequence[float] | None, std: Sequence[float] | None
     return _then_normalise([RandomResizedCrop(32, scale=(0.64, 1.0), ratio=(1.0, 1.0)), RandomHorizontalFlip(0.5)], mean, std)
 
 
+@AUGMENTATIONS.register("orchestra")
+def orchestra_transform(mean: Sequence[float] | None, std: Sequence[float] | None) -> Views:
+    """Orchestra's two asymmetric pipelines (Lubana et al., "Orchestra: Unsupervised Federated
+    Learning via Globally Consistent Clustering", ICML 2022; ``OrchestraTransform`` in
+    akhilmathurs/orchestra ``utils.py``, as copied into FedU2's Orchestra baseline,
+    XeniaLLL/FedU2 ``src/my/data/aug.py`` lines 75-118, ``AugOrchestraDataset``: ``T1`` =
+    ``transform`` at lines 79-87, ``T2`` = ``transform_prime`` at 89-98, ``Solarization`` at
+    64-72), selected with ``augment=orchestra``. Views 0 and 2 go through ``T1``, view 1 through ``T2``
+    (Orchestra's ``x1 = transform(x)``, ``x2 = transform_prime(x)``, and the third view
+    ``transform(x)``, which Orchestra then rotates by a multiple of 90 degrees for its
+    rotation-prediction head; that rotation is not part of this transform).
+
+    ``T1``: random resized crop to 32 x 32 (area fraction in [0.5, 1], aspect ratio in
+    [3/4, 4/3], bicubic) -> flip (p = 0.5) -> with p = 0.8 colour jitter (brightness 0.4,
+    contrast 0.4, saturation 0.2, hue 0.1, random order) -> grayscale (p = 0.2) -> Gaussian
+    blur (kernel 3, sigma uniform in [0.1, 2], p = 0.5) -> normalise.
+    ``T2``: the same with blur p = 0.1, then solarize (pixels >= 128 of 255 inverted,
+    p = 0.2) -> normalise.
+
+    The official code normalises with ``Normalize((0.5,) * 3, (0.5,) * 3)`` (pixels to
+    [-1, 1]); here, as in the other pipelines, normalisation uses the given ``mean``/``std``
+    (the dataset's by default), so the config setting ``normalize=half`` reproduces
+    Orchestra's exactly (``normalize=none`` leaves pixels in [0, 1]). The reference works on
+    PIL ``uint8`` images and rounds after every step; these ops keep floats (see
+    :class:`RandomResizedCrop`, :class:`GaussianBlur`, :class:`RandomSolarize`)."""
+
+    def pipeline(blur: float, solarize: float | None) -> Transform:
+        ops: list[Op] = [
+            RandomResizedCrop(32, scale=(0.5, 1.0), interpolation="bicubic"),
+            RandomHorizontalFlip(0.5),
+            ColorJitter(0.4, 0.4, 0.2, 0.1, p=0.8),
+            RandomGrayscale(0.2),
+            GaussianBlur(3, (0.1, 2.0), p=blur),
+        ]
+        if solarize is not None:
+            ops.append(RandomSolarize(0.5, p=solarize))
+        return _then_normalise(ops, mean, std)
+
+    return Views(pipeline(0.5, None), pipeline(0.1, 0.2))
+
+
 def _then_normalise(
     ops: list[Op], mean: Sequence[float] | None, std: Sequence[float] | None
 ) -> Transform:
@@ -531,6 +725,38 @@ def _linear_taps(
     lower = source.long()
     upper = torch.minimum(lower + 1, length[:, None] - 1)
     return start[:, None] + lower, start[:, None] + upper, source - lower
+
+
+def _cubic(t: torch.Tensor) -> torch.Tensor:
+    """PIL's bicubic filter: Keys' cubic convolution kernel with ``a = -0.5``, support 2."""
+    a, t = -0.5, t.abs()
+    inner = ((a + 2) * t - (a + 3)) * t * t + 1
+    outer = (((t - 5) * t + 8) * t - 4) * a
+    return torch.where(t < 1, inner, torch.where(t < 2, outer, torch.zeros_like(t)))
+
+
+def _cubic_weights(
+    start: torch.Tensor, length: torch.Tensor, size: int, extent: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """PIL's bicubic resampling (``precompute_coeffs`` of ``Resample.c``) of the segments
+    ``[start, start + length)`` (``[N]``) of an axis of ``extent`` pixels to ``size``
+    points, as a dense matrix ``[N, size, extent]``: output ``o`` is centred at
+    ``c = (o + 0.5) length / size``, the filter is widened by ``f = max(1, length / size)``,
+    and pixel ``start + j`` weighs ``cubic((j + 0.5 - c) / f)`` for ``0 <= j < length``
+    (0 elsewhere), normalised to sum 1 over ``j``. Only the ``T`` pixels of the window
+    ``|j + 0.5 - c| < 2 f`` are evaluated (float64), then scattered into the matrix; taps
+    outside the segment have weight 0 (their index is clamped into it)."""
+    taps = math.ceil(4 * max(1.0, extent / size))  # integers in an open window of length 4 f
+    length = length.to(torch.float64)[:, None, None]
+    scale = length / size
+    widen = scale.clamp(min=1.0)
+    centre = (torch.arange(size, device=start.device, dtype=torch.float64)[:, None] + 0.5) * scale
+    j = (centre - 2 * widen + 0.5).floor() + torch.arange(taps, device=start.device, dtype=torch.float64)
+    weight = _cubic((j + 0.5 - centre) / widen) * ((j >= 0) & (j < length))  # [N, size, T]
+    weight = (weight / weight.sum(-1, keepdim=True)).to(dtype)
+    index = torch.minimum(j.clamp(min=0), length - 1).long() + start[:, None, None]
+    dense = torch.zeros(start.shape[0], size, extent, dtype=dtype, device=start.device)
+    return dense.scatter_add_(-1, index, weight)
 
 
 def _grayscale(x: torch.Tensor) -> torch.Tensor:

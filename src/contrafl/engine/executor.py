@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from ..algorithms.base import Batch, LocalTask, Stage, StateDict, TaskView, TrainResult
+from ..data.augment import Views, view_transform
 from ..models.base import FedModel, ModelOutput
 from .optim import Adam, OptState, SGD
 from .plan import ClientPlan
@@ -91,7 +92,8 @@ class Workload:
 
     Attributes:
         x, y: the training split on the executor's device.
-        transform: batched training transform ``(x_raw, params) -> x``.
+        transform: batched training transform ``(x_raw, params) -> x``, or one per view
+            (:class:`~contrafl.data.augment.Views`).
         net: functional forward of the architecture.
         phases: the algorithm's phases for this round, each with its optimiser.
         autocast: dtype for mixed precision on CUDA, or None.
@@ -99,7 +101,7 @@ class Workload:
 
     x: torch.Tensor
     y: torch.Tensor
-    transform: Callable[..., torch.Tensor]
+    transform: Callable[..., torch.Tensor] | Views
     net: FunctionalNet
     phases: list[PhaseRun]
     autocast: torch.dtype | None = None
@@ -133,7 +135,7 @@ class Workload:
     def inputs(self, rows: torch.Tensor, aug: list[dict[str, torch.Tensor]]) -> Batch:
         """The batch of ``rows`` with each view's augmentation applied."""
         raw = self.x[rows]
-        views = [self.transform(raw, params) for params in aug]
+        views = [view_transform(self.transform, v)(raw, params) for v, params in enumerate(aug)]
         x = views[0] if len(views) == 1 else torch.stack(views)
         return Batch(x, self.y[rows])
 
@@ -149,11 +151,11 @@ def noise_generator(job: "Job", phase: int) -> torch.Generator:
     return generator(job.seed, "noise", phase)
 
 
-def add_updates(params: dict[str, StateDict], updates: dict[str, StateDict], a: int | None = None) -> None:
-    """``params[role][name] += updates[role][name]`` in place (on the first ``a`` clients
+def set_values(params: dict[str, StateDict], updates: dict[str, StateDict], a: int | None = None) -> None:
+    """``params[role][name] <- updates[role][name]`` in place (on the first ``a`` clients
     of stacked parameters when ``a`` is given)."""
     targets = [params[r][k] if a is None else params[r][k][:a] for r, sd in updates.items() for k in sd]
-    torch._foreach_add_(targets, [v for sd in updates.values() for v in sd.values()])
+    torch._foreach_copy_(targets, [v for sd in updates.values() for v in sd.values()])
 
 
 def stage_keys(stage: Stage, task: LocalTask) -> list[tuple[str, str]]:
@@ -209,13 +211,17 @@ class SequentialExecutor:
                 for stage, ts, state in zip(phase.stages, tensors, states[where]):
                     for _ in range(stage.repeat):
                         batch = batch._replace(noise=draw_noise(stage, g, w.x.device))
+                        view = TaskView(params, buffers, frozen, task.consts)
+                        if stage.pre_step is not None:
+                            with torch.no_grad():
+                                set_values(params, stage.pre_step(view, batch, w.net))
                         with w.autocast_context():
-                            loss, step_stats = stage.loss(TaskView(params, buffers, frozen, task.consts), batch, w.net)
+                            loss, step_stats = stage.loss(view, batch, w.net)
                         grads = torch.autograd.grad(loss, ts, allow_unused=True)
                         phase.optimizer.step(ts, list(grads), state)
                         if stage.post_step is not None:
                             with torch.no_grad():
-                                add_updates(params, stage.post_step(TaskView(params, buffers, frozen, task.consts)))
+                                set_values(params, stage.post_step(view, batch, w.net))
                         accumulate(stats, step_stats)
                 if step in plan.epoch_ends:
                     for name, role in task.snapshots.items():

@@ -7,10 +7,14 @@ it, so the sequential and the vectorized executor see identical batches.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+
+Sampler = Callable[[int, torch.Generator], dict[str, torch.Tensor]]
 
 
 @dataclass
@@ -59,7 +63,7 @@ def make_plan(
     epochs: int,
     batch_size: int,
     drop_last: bool,
-    sample_aug,
+    sample_aug: Sampler | Sequence[Sampler],
     views: int,
     generator: torch.Generator,
 ) -> ClientPlan:
@@ -67,7 +71,9 @@ def make_plan(
 
     With ``drop_last`` (MOON's DataLoader setting) the last incomplete batch of each epoch
     is dropped, so a client with fewer than ``batch_size`` samples takes no step.
-    ``sample_aug(n, generator)`` draws the augmentation parameters of ``n`` samples.
+    ``sample_aug(n, generator)`` draws the augmentation parameters of ``n`` samples; a
+    sequence holds one sampler per view pipeline, view ``v`` using ``sample_aug[v % len]``
+    (:class:`~contrafl.data.augment.Views`).
     """
     rows_t = torch.as_tensor(np.asarray(rows), dtype=torch.long)
     n = len(rows_t)
@@ -81,5 +87,6 @@ def make_plan(
         if epoch_sizes:
             ends.append(len(sizes) - 1)
     order_t = torch.cat(order) if order else torch.zeros(0, dtype=torch.long)
-    aug = [sample_aug(len(order_t), generator) for _ in range(views)]
+    samplers = sample_aug if isinstance(sample_aug, Sequence) else [sample_aug]
+    aug = [samplers[v % len(samplers)](len(order_t), generator) for v in range(views)]
     return ClientPlan(order_t, sizes, aug, frozenset(ends))

@@ -23,6 +23,7 @@ import os
 import tempfile
 import time
 import traceback
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -30,9 +31,10 @@ import numpy as np
 import torch
 from torch.utils import _pytree as pytree
 
-from ..algorithms.base import LocalTask, Phase, Reply, ServerState, StateDict
+from ..algorithms.base import LocalTask, Phase, Reply, ServerState, StateDict, TrainResult
 from ..algorithms.server_opt import ServerOptimizer
 from ..config import Config, differences, fingerprint
+from ..data.augment import view_transform
 from ..errors import CheckpointError, ClientUpdateError, one_line
 from ..eval.evaluate import evaluate
 from ..eval.metrics import mean_std, rounds_to_reach
@@ -76,6 +78,11 @@ class Context:
     def train_data(self) -> tuple[torch.Tensor, torch.Tensor]:
         rows = self._sim.rows_t[self.cid]
         return self._sim.setup.eval_transform(self._sim.train.x[rows]), self._sim.train.y[rows]
+
+    def augmented_data(self, view: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = self._sim.rows_t[self.cid]
+        transform = view_transform(self._sim.setup.train_transform, view)
+        return transform(self._sim.train.x[rows], transform.sample(len(rows), generator)), self._sim.train.y[rows]
 
     def generator(self, *key: object) -> torch.Generator:
         return generator(self._sim.cfg.seed, "client", self.round, self.cid, *key)
@@ -260,37 +267,52 @@ class Simulation:
         for i, phase in enumerate(phases):
             epochs = task.epochs[i] if task.epochs is not None else phase.epochs if phase.epochs is not None else cfg.local_epochs
             batch = phase.batch_size or cfg.batch_size
-            plan = make_plan(self.rows[cid], epochs, batch, cfg.drop_last, self.setup.train_transform.sample, self.algorithm.views, g)
+            samplers = [view_transform(self.setup.train_transform, v).sample for v in range(self.algorithm.views)]
+            plan = make_plan(self.rows[cid], epochs, batch, cfg.drop_last, samplers, self.algorithm.views, g)
             plans.append(plan.to(self.device))
         return plans
 
-    def run_round(self, t: int) -> dict[str, Any]:
-        cfg, algo = self.cfg, self.algorithm
-        sampled = self.schedule[t]
-        broadcast = algo.broadcast(self.server, t)
-        phases = algo.phases(t)
+    def round_executor(self, phases: list[Phase]) -> SequentialExecutor | ParallelExecutor | VectorizedExecutor:
+        """The run's executor for a round of ``phases``."""
         workload = Workload(
             self.train.x,
             self.train.y,
             self.setup.train_transform,
             self.net,
             self.phase_runs(phases),
-            autocast=torch.bfloat16 if cfg.precision == "bf16" else None,
+            autocast=torch.bfloat16 if self.cfg.precision == "bf16" else None,
         )
-        executor = make_executor(self.executor_name, workload, cfg)
+        return make_executor(self.executor_name, workload, self.cfg)
+
+    def client_job(
+        self, cid: int, t: int, broadcast: dict[str, Any], phases: list[Phase]
+    ) -> tuple[Job, Context, dict[str, Any], dict[str, Any]]:
+        """Client ``cid``'s local training in round ``t`` of ``phases`` after the server
+        sent ``broadcast``: the job, the client's context, its entry in the store (or a
+        fresh one) and the message it received."""
+        algo = self.algorithm
+        ctx = Context(self, cid, t)
+        entry = self.store.get(cid) or {"algorithm": algo.init_client(ctx), "optimizer": None}
+        message = algo.message_for(broadcast, self.server, cid, t)
+        task = algo.client_begin(message, entry["algorithm"], ctx)
+        seed = derive_seed(self.cfg.seed, "dropout", t, cid)
+        return Job(cid, task, self.plans(cid, t, phases, task), seed, entry["optimizer"]), ctx, entry, message
+
+    def run_round(self, t: int) -> dict[str, Any]:
+        cfg, algo = self.cfg, self.algorithm
+        sampled = self.schedule[t]
+        broadcast = algo.broadcast(self.server, t)
+        phases = algo.phases(t)
+        executor = self.round_executor(phases)
         open_clients: dict[int, tuple[Context, dict[str, Any], dict[str, Any]]] = {}
         down: dict[str, int] = {}
         broadcast_bytes = payload_bytes(broadcast)
 
         def make_job(cid: int) -> Job:
-            ctx = Context(self, cid, t)
-            entry = self.store.get(cid) or {"algorithm": algo.init_client(ctx), "optimizer": None}
-            message = algo.message_for(broadcast, self.server, cid, t)
+            job, ctx, entry, message = self.client_job(cid, t, broadcast, phases)
             add_bytes(down, broadcast_bytes if message is broadcast else payload_bytes(message))
             open_clients[cid] = (ctx, entry, message)
-            task = algo.client_begin(message, entry["algorithm"], ctx)
-            seed = derive_seed(cfg.seed, "dropout", t, cid)
-            return Job(cid, task, self.plans(cid, t, phases, task), seed, entry["optimizer"])
+            return job
 
         replies: list[Reply] = []
         rejected: dict[int, str] = {}
@@ -351,6 +373,30 @@ class Simulation:
         row["bytes_down"] = down
         row["bytes_up"] = up
         return row
+
+    def local_models(self, cids: Iterable[int], t: int | None = None) -> dict[int, StateDict]:
+        """The models clients ``cids`` hold after their local training in round ``t``
+        (default :attr:`rounds_done`, the next round) from the current server state,
+        trained as :meth:`run_round` trains them (the round's broadcast and phases, the
+        client's stored state, :meth:`client_job`'s plans and seeds, the run's executor)
+        whether or not the round samples them: :func:`trained_model` of each result.
+
+        Nothing else happens: no reply, aggregation, evaluation or checkpoint, and the
+        server, the client store (the executor gets a copy of a stored optimiser state,
+        which it updates in place), the history and the run directory stay as they
+        are, so the next :meth:`run_round` computes what it would have computed without
+        this call. (:meth:`~contrafl.algorithms.base.Algorithm.client_end` only makes
+        the reply and the client's next state from the result, so it is not called.)"""
+        t = self.rounds_done if t is None else t
+        broadcast = self.algorithm.broadcast(self.server, t)
+        phases = self.algorithm.phases(t)
+
+        def make_job(cid: int) -> Job:
+            job = self.client_job(cid, t, broadcast, phases)[0]
+            job.opt_state = pytree.tree_map_only(torch.Tensor, torch.clone, job.opt_state)
+            return job
+
+        return {job.cid: trained_model(result) for job, result in self.round_executor(phases).run(make_job, list(cids))}
 
     def reject(self, cid: int, reason: str, round: int) -> str:
         """Record a client update that failed validation, or stop the run
@@ -485,22 +531,53 @@ class Simulation:
         return summary
 
 
+def trained_model(result: TrainResult) -> StateDict:
+    """The model a client trained: its ``model`` role (parameters and buffers,
+    :func:`~contrafl.algorithms.base.model_state`; the parameters alone where the role
+    has no buffers), or the union of the trained roles when none is called ``model`` (a
+    model trained as disjoint parts, ``body`` and ``head``). It may be a partial state
+    dict of the run's architecture."""
+    roles = ["model"] if "model" in result.params else list(result.params)
+    return {k: v for r in roles for k, v in {**result.params[r], **result.buffers.get(r, {})}.items()}
+
+
+def _check_partition(setup: Setup, path: Path, advice: str) -> None:
+    partition = path / "partition.json"
+    if partition.is_file() and partition.read_text() != json.dumps(setup.partition.to_json()):
+        raise CheckpointError(f"the data gives another partition than {partition} (different dataset files?); {advice}")
+
+
 def resume(setup: Setup, run_dir: RunDir, progress: Progress | None = None) -> Simulation:
     """A simulation that continues the run in ``run_dir`` from its last checkpoint, or
     from round 0 when it has none yet (its per-round files are then emptied). The data
     must give the partition the run started with."""
-    partition = run_dir.path / "partition.json"
-    if partition.is_file() and partition.read_text() != json.dumps(setup.partition.to_json()):
-        raise CheckpointError(
-            f"the data gives another partition than {partition} (different dataset files?); "
-            "resume with the data the run started with"
-        )
+    _check_partition(setup, run_dir.path, "resume with the data the run started with")
     sim = Simulation(setup, run_dir, progress)
     checkpoint = load_checkpoint(run_dir.path)
     if checkpoint is not None:
         sim.restore(checkpoint)
     else:
         run_dir.truncate(0, [])
+    return sim
+
+
+def read_only(setup: Setup, path: Path, checkpoint: dict[str, Any], clients: Iterable[int] | None = None) -> Simulation:
+    """A simulation in the state of ``checkpoint``, the last checkpoint of the run in
+    ``path`` (:func:`load_checkpoint`), that writes nothing there, for analyses of the
+    run (``contrafl eval-repr``): it has no run directory, its client store spills to a
+    private temporary directory (removed by ``sim.store.close()``), and it loads the
+    client states the checkpoint names from the run's ``client-state/``
+    (:attr:`RunDir.client_dir`) into that store: only those of ``clients`` when given,
+    the other clients then look as if they had no state yet. The data must give the
+    run's partition."""
+    path = Path(path)
+    _check_partition(setup, path, "analyse the run with the data it was trained on")
+    sim = Simulation(setup)
+    manifest = checkpoint["clients"]
+    sim.restore({**checkpoint, "clients": {"files": {}, "serial": manifest["serial"]}})
+    files = {int(cid): str(name) for cid, name in manifest["files"].items()}
+    for cid in files if clients is None else [c for c in clients if c in files]:
+        sim.store.put(cid, load_safe(path / "client-state" / files[cid], f"client {cid}'s state", sim.device))
     return sim
 
 

@@ -28,13 +28,14 @@ from torch.func import grad_and_value, vmap
 from torch.utils import _pytree as pytree
 
 from ..algorithms.base import Batch, Stage, TaskView, TrainResult
+from ..data.augment import view_transform
 from .client_store import state_bytes
 from .executor import (
     Job,
     SequentialExecutor,
     Workload,
-    add_updates,
     draw_noise,
+    set_values,
     noise_generator,
     stage_keys,
     used_parameters,
@@ -207,18 +208,23 @@ class VectorizedExecutor:
             a = sum(1 for n in steps if n > s)
             r = rows[:a, s]
             raw = w.x[r]
-            views = [w.transform(raw, {k: v[:a, s] for k, v in view.items()}) for view in augs]
+            views = [
+                view_transform(w.transform, i)(raw, {k: v[:a, s] for k, v in view.items()}) for i, view in enumerate(augs)
+            ]
             x = views[0] if len(views) == 1 else torch.stack(views, dim=1)
             y = w.y[r]
             for stage, ks, ts, state, uses in zip(phase.stages, keys, tensors, opt_states, used):
                 trained = {role for role, _ in ks}
                 for _ in range(stage.repeat):
-                    tp = {role: {k: v[:a] for k, v in params[role].items()} for role in params if role in trained}
-                    op = {role: {k: v[:a] for k, v in params[role].items()} for role in params if role not in trained}
                     bufs = {role: {k: v[:a] for k, v in sd.items()} for role, sd in buffers.items()}
                     fz = slice_tree(frozen, frozen_dims, a)
                     cs = slice_tree(consts, consts_dims, a)
                     noise = _stack_noise([draw_noise(stage, g, w.x.device) for g in noise_gens[:a]])
+                    if stage.pre_step is not None:
+                        update = self._update_fn(stage.pre_step, frozen_dims, consts_dims)
+                        set_values(params, update(_sliced(params, a), bufs, fz, cs, x, y, noise), a)
+                    tp = {role: {k: v[:a] for k, v in params[role].items()} for role in params if role in trained}
+                    op = {role: {k: v[:a] for k, v in params[role].items()} for role in params if role not in trained}
                     fn = self._grad_fn(stage, frozen_dims, consts_dims, sorted(op))
                     with w.autocast_context():
                         grads, (_, stats) = fn(tp, op, bufs, fz, cs, x, y, noise)
@@ -226,10 +232,8 @@ class VectorizedExecutor:
                     views_a = [t[:a] for t in ts]
                     phase.optimizer.step(views_a, flat_grads, _slice_state(state, a))
                     if stage.post_step is not None:
-                        delta = self._post_fn(stage, frozen_dims, consts_dims)(
-                            {role: {k: v[:a] for k, v in sd.items()} for role, sd in params.items()}, bufs, fz, cs
-                        )
-                        add_updates(params, delta, a)
+                        update = self._update_fn(stage.post_step, frozen_dims, consts_dims)
+                        set_values(params, update(_sliced(params, a), bufs, fz, cs, x, y, noise), a)
                     for k, v in stats.items():
                         v = v.detach().float()
                         if k not in totals:
@@ -267,14 +271,18 @@ class VectorizedExecutor:
         return self._grad_fns[key]
 
 
-    def _post_fn(self, stage: Stage, frozen_dims: Any, consts_dims: Any) -> Callable:
-        key = ("post", id(stage.post_step), repr(frozen_dims), repr(consts_dims))
+    def _update_fn(self, fn: Callable, frozen_dims: Any, consts_dims: Any) -> Callable:
+        """``fn`` (a stage's ``pre_step`` or ``post_step``) vectorised over clients."""
+        key = ("update", id(fn), repr(frozen_dims), repr(consts_dims))
         if key not in self._grad_fns:
+            net = self.workload.net
 
-            def post(params, buffers, frozen, consts):
-                return stage.post_step(TaskView(params, buffers, frozen, consts))
+            def update(params, buffers, frozen, consts, x, y, noise):
+                return fn(TaskView(params, buffers, frozen, consts), Batch(x, y, noise), net)
 
-            self._grad_fns[key] = vmap(post, in_dims=(0, 0, frozen_dims, consts_dims))
+            self._grad_fns[key] = vmap(
+                update, in_dims=(0, 0, frozen_dims, consts_dims, 0, 0, 0), randomness="different"
+            )
         return self._grad_fns[key]
 
 
@@ -291,6 +299,11 @@ class _Progress:
 def _stack_noise(per_client: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """The clients' noise tensors stacked along a leading client dimension."""
     return {name: torch.stack([n[name] for n in per_client]) for name in per_client[0]}
+
+
+def _sliced(params: dict[str, dict[str, torch.Tensor]], a: int) -> dict[str, dict[str, torch.Tensor]]:
+    """The first ``a`` clients of stacked parameters (views)."""
+    return {role: {k: v[:a] for k, v in sd.items()} for role, sd in params.items()}
 
 
 def _slice_state(state: dict, a: int) -> dict:

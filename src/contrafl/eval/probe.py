@@ -15,7 +15,9 @@ it into them). Inputs are un-augmented and normalised as in the run.
   evaluations at epochs 100 and 200: FedU2's ``semi_eval.py``; vector data are not
   augmented);
 - ``spectrum``: singular values of the covariance of the l2-normalised test
-  representations (FedU2's Figure 3), saved with a plot of the log-values.
+  representations (FedU2's Figure 3), of the global model and of the local models of
+  some clients after one more round of local training, each with its effective rank
+  (:func:`effective_rank`), saved with a plot of the log-values.
 
 Each result is written to ``RUN_DIR/representation/<protocol>.json`` (``finetune-1%``,
 ``finetune-10%``) with the settings that produced it.
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,6 +40,7 @@ from ..errors import ContraflError
 from .representation import extract_features, finetune, knn_accuracy, linear_probe, singular_spectrum
 
 PROTOCOLS = ("knn", "linear", "finetune", "spectrum")
+LOCAL_CLIENTS = 10  # local spectra by default: the first clients, at most this many
 
 
 @dataclass
@@ -49,6 +53,7 @@ class _Loaded:
     x_test: torch.Tensor
     y_test: torch.Tensor
     round: int
+    checkpoint: dict[str, Any]
 
 
 def bank_and_queries(train: Any, test: Any, partition: Any) -> tuple[torch.Tensor, ...]:
@@ -79,7 +84,26 @@ def _load(run_dir: Path, device: str) -> _Loaded:
     dev = setup.device
     data = [t.to(dev) for t in bank_and_queries(setup.data.train, setup.data.test, setup.partition)]
     state = {k: v.to(dev) for k, v in checkpoint["server"]["model"].items()}
-    return _Loaded(setup, FunctionalNet(setup.model.to(dev)), state, *data, int(checkpoint["round"]))
+    return _Loaded(setup, FunctionalNet(setup.model.to(dev)), state, *data, int(checkpoint["round"]), checkpoint)
+
+
+def client_ids(clients: str | Sequence[int] | None, num_clients: int) -> list[int]:
+    """The clients whose local spectra are computed, ascending: ``None`` the first
+    :data:`LOCAL_CLIENTS` (all when there are no more), ``"all"``, or ids given as
+    ``"0,3,5"`` or a sequence, each in ``0..num_clients - 1``."""
+    if clients is None:
+        return list(range(min(num_clients, LOCAL_CLIENTS)))
+    if isinstance(clients, str) and clients.strip() == "all":
+        return list(range(num_clients))
+    try:
+        ids = [int(c) for c in (clients.split(",") if isinstance(clients, str) else clients)]
+    except (TypeError, ValueError):
+        ids = []
+    if not ids or not all(0 <= c < num_clients for c in ids):
+        raise ContraflError(
+            f"--clients {clients!r} is not valid: give comma-separated client ids in 0..{num_clients - 1}, or all"
+        )
+    return sorted(set(ids))
 
 
 def evaluate_run(
@@ -90,15 +114,19 @@ def evaluate_run(
     epochs: int | None = None,
     seed: int = 0,
     device: str = "auto",
+    clients: str | Sequence[int] | None = None,
+    local: bool = True,
 ) -> dict[str, Any]:
     """Evaluate the global model of ``run_dir`` by ``protocol``; the result (also written
-    to the run directory)."""
+    to the run directory). ``spectrum`` adds the local models of ``clients``
+    (:func:`client_ids`) unless ``local`` is false."""
     if protocol not in PROTOCOLS:
         raise ContraflError(f"protocol {protocol!r} is not one of {', '.join(PROTOCOLS)}")
     if protocol == "finetune" and not 0 < label_fraction <= 1:
         raise ContraflError(f"--label-fraction {label_fraction} must lie in (0, 1], e.g. 0.01 or 0.1")
     run = _load(Path(run_dir), device)
     cfg, tf = run.setup.config, run.setup.eval_transform
+    cids = client_ids(clients, cfg.num_clients) if protocol == "spectrum" and local else []
     classes = run.setup.data.num_classes
     bs = cfg.eval_batch_size
     g = torch.Generator().manual_seed(seed)
@@ -111,9 +139,10 @@ def evaluate_run(
     with torch.no_grad():
         test_f = extract_features(encode, run.x_test, tf, bs)
     if protocol == "spectrum":
-        spectrum = singular_spectrum(test_f)
-        out["singular_values"] = spectrum.singular_values.tolist()
-        out["log_singular_values"] = spectrum.log_singular_values.tolist()
+        out.update(_spectrum_record(test_f))
+        if cids:
+            out["local_from_round"] = run.round
+            out["local"] = {str(cid): record for cid, record in _local_spectra(run, Path(run_dir), cids).items()}
     else:
         with torch.no_grad():
             train_f = extract_features(encode, run.x_train, tf, bs)
@@ -148,18 +177,74 @@ def evaluate_run(
     folder.mkdir(exist_ok=True)
     (folder / f"{name}.json").write_text(json.dumps(out, indent=1) + "\n")
     if protocol == "spectrum":
-        _plot_spectrum(out["log_singular_values"], folder / "spectrum.png", f"{cfg.algorithm.name}, round {run.round}")
+        local_logs = {f"client {cid}": r["log_singular_values"] for cid, r in out.get("local", {}).items()}
+        _plot_spectrum(out["log_singular_values"], local_logs, folder / "spectrum.png", f"{cfg.algorithm.name}, round {run.round}")
     return out
 
 
-def _plot_spectrum(log_values: list[float], path: Path, title: str) -> None:
+def effective_rank(singular_values: torch.Tensor) -> float:
+    """The effective rank of a spectrum (Roy & Vetterli, 2007)::
+
+        p_k = sigma_k / sum_j sigma_j        erank = exp(-sum_k p_k log p_k)    (0 log 0 = 0)
+
+    between 1 (one direction carries all the variance: complete collapse) and D (equal
+    singular values); a continuous count of the singular values that are not ~0, the
+    number FedU2's Figure 3 argues with. 0 for an all-zero spectrum."""
+    sigma = singular_values.to(torch.float64).clamp_min(0)
+    total = sigma.sum()
+    if total <= 0:
+        return 0.0
+    p = sigma / total
+    return math.exp(-torch.special.xlogy(p, p).sum().item())
+
+
+def _spectrum_record(features: torch.Tensor) -> dict[str, Any]:
+    spectrum = singular_spectrum(features)
+    return {
+        "singular_values": spectrum.singular_values.tolist(),
+        "log_singular_values": spectrum.log_singular_values.tolist(),
+        "effective_rank": effective_rank(spectrum.singular_values),
+    }
+
+
+def _local_spectra(run: _Loaded, run_dir: Path, cids: list[int]) -> dict[int, dict[str, Any]]:
+    """The spectra of the local models of clients ``cids``: from the checkpoint's server
+    state and each client's stored state, one round of local training (the round after
+    the checkpoint's, trained as the run trains it:
+    :meth:`~contrafl.engine.simulation.Simulation.local_models`) without aggregating
+    and without writing to ``run_dir`` (:func:`~contrafl.engine.simulation.read_only`);
+    then the test features of each trained model as for the global one. Parts of the
+    architecture a client does not train are the global model's."""
+    from ..engine.simulation import read_only
+
+    cfg, tf = run.setup.config, run.setup.eval_transform
+    sim = read_only(run.setup, run_dir, run.checkpoint, cids)
+    try:
+        models = sim.local_models(cids)
+    finally:
+        sim.store.close()
+    out = {}
+    for cid in cids:
+        state = {**run.state, **models[cid]}
+        with torch.no_grad():
+            features = extract_features(lambda x: run.net(state, x, train=False).h, run.x_test, tf, cfg.eval_batch_size)
+        out[cid] = _spectrum_record(features)
+    return out
+
+
+def _plot_spectrum(log_values: list[float], local: dict[str, list[float]], path: Path, title: str) -> None:
+    """The global curve and, thinner and lighter, every local one."""
     import matplotlib
 
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
 
     fig, ax = plt.subplots(figsize=(5, 3.5))
-    ax.plot(range(1, len(log_values) + 1), log_values)
+    ax.plot(range(1, len(log_values) + 1), log_values, color="black", linewidth=2, label="global", zorder=3)
+    for label, values in local.items():
+        ax.plot(range(1, len(values) + 1), values, linewidth=0.8, alpha=0.5, label=label)
+    if local:
+        ax.legend(fontsize="x-small", ncol=2)
     ax.set_xlabel("singular value rank")
     ax.set_ylabel("log singular value")
     ax.set_title(f"representation spectrum: {title}")

@@ -6,7 +6,8 @@ A federated model is ``features`` (the base encoder, returning a flat representa
 parameter names so that state dicts line up with the reference code. Without a projection
 head ``z = h`` (MOON's ``ModelFedCon_noheader``). The projection head may have another
 hidden width and a BatchNorm after ``l1`` (``l1 → BN → ReLU → l2``, the SimCLR/BYOL
-projector of FedU2's code).
+projector of FedU2's code), no biases and a BatchNorm without affine parameters after
+``l2`` (``l1 → BN → ReLU → l2 → BN``, Orchestra's projector).
 
 What an algorithm adds on top is a :class:`Heads`: an optional SimSiam-style prediction
 MLP (``Linear → BN → ReLU → Linear``, used by FedSiam-DA and the self-supervised
@@ -69,6 +70,8 @@ class FedModel(nn.Module):
         heads: the algorithm's heads (:class:`Heads`).
         projection_hidden: hidden width of the projection head (``None``: ``feature_dim``).
         projection_bn: a BatchNorm ``l1_bn`` between ``l1`` and the ReLU.
+        projection_bias: biases in ``l1`` and ``l2``.
+        projection_out_bn: a BatchNorm ``l2_bn`` without affine parameters after ``l2``.
     """
 
     def __init__(
@@ -81,6 +84,8 @@ class FedModel(nn.Module):
         heads: Heads = Heads(),
         projection_hidden: int | None = None,
         projection_bn: bool = False,
+        projection_bias: bool = True,
+        projection_out_bn: bool = False,
     ) -> None:
         super().__init__()
         self.features = features
@@ -89,9 +94,10 @@ class FedModel(nn.Module):
         out_dim = feature_dim
         if projection_dim is not None:
             hidden = projection_hidden or feature_dim
-            self.l1 = nn.Linear(feature_dim, hidden)
+            self.l1 = nn.Linear(feature_dim, hidden, bias=projection_bias)
             self.l1_bn = nn.BatchNorm1d(hidden) if projection_bn else None
-            self.l2 = nn.Linear(hidden, projection_dim)
+            self.l2 = nn.Linear(hidden, projection_dim, bias=projection_bias)
+            self.l2_bn = nn.BatchNorm1d(projection_dim, affine=False) if projection_out_bn else None
             out_dim = projection_dim
         self.out_dim = out_dim
         self.dropout = dropout
@@ -116,8 +122,10 @@ class FedModel(nn.Module):
         return ModelOutput(h, z, logits, p, extra)
 
     def project(self, h: torch.Tensor) -> torch.Tensor:
-        """``z = l2(relu(l1(h)))``, with ``l1_bn`` after ``l1`` when present."""
+        """``z = l2(relu(l1(h)))``, with ``l1_bn`` after ``l1`` and ``l2_bn`` after
+        ``l2`` when present."""
         a = self.l1(h)
         if self.l1_bn is not None:
             a = self.l1_bn(a)
-        return self.l2(F.relu(a))
+        z = self.l2(F.relu(a))
+        return self.l2_bn(z) if self.l2_bn is not None else z

@@ -23,6 +23,8 @@ class HeadOptions:
     projection_dim: int = P.param(256, P.Interval(1, None), "output width of the projection head")
     projection_hidden: int | None = P.param(None, P.Interval(1, None), "hidden width of the projection head (auto: the representation's)")
     projection_bn: bool = P.param(False, None, "BatchNorm after the projection head's first layer (SimCLR/BYOL projector)")
+    projection_bias: bool = P.param(True, None, "biases in the projection head's linear layers (Orchestra's projector has none)")
+    projection_out_bn: bool = P.param(False, None, "BatchNorm without affine parameters after the projection head (Orchestra's projector)")
     dropout: float = P.param(0.0, P.Interval(0, 1, "left"), "dropout on z before the classifier")
 
 
@@ -95,4 +97,6 @@ def build_model(
         heads=heads,
         projection_hidden=head.projection_hidden,
         projection_bn=head.projection_bn,
+        projection_bias=head.projection_bias,
+        projection_out_bn=head.projection_out_bn,
     )

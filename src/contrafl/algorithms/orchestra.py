@@ -1,0 +1,265 @@
+"""Orchestra: unsupervised federated learning by global clustering (Lubana, Tang, Kawsar,
+Dick, Mathur, ICML 2022), as FedU2's code runs it for its baseline (XeniaLLL/FedU2
+``src/my/algo/fedorche``; facts in docs/design/fedu2_reference.md section 2.7)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.nn import functional as F
+
+from .. import params as P
+from ..engine.rng import generator
+from ..errors import ConfigError
+from ..models.base import Heads
+from .aggregation import weighted_average
+from .base import (
+    Batch,
+    ClientContext,
+    LocalTask,
+    Network,
+    Reply,
+    ServerState,
+    Stage,
+    StateDict,
+    TaskView,
+    TensorSpec,
+    TrainResult,
+    model_state,
+    spec_of,
+)
+from .registry import ALGORITHMS
+from .ssl import SelfSupervised, rotation_loss, target_part
+
+
+@dataclass(frozen=True)
+class OrchestraParams:
+    temperature: float = P.param(0.1, P.Interval(0, None, "neither"), "softmax temperature T of the cluster assignments")
+    ema: float = P.param(0.996, P.Interval(0, 1), "target update xi <- ema xi + (1 - ema) theta before every step")
+    global_clusters: int = P.param(128, P.Interval(1, None), "number of global centroids")
+    local_clusters: int = P.param(16, P.Interval(1, None), "number of local centroids each client sends")
+    memory: int = P.param(128, P.Interval(1, None), "size of each client's memory of target projections")
+    rotation: float = P.param(1.0, P.Interval(0, None), "weight of the degeneracy regulariser (rotation prediction on a third view)")
+    sinkhorn_lambda: float = P.param(25.0, P.Interval(0, None, "neither"), "Sinkhorn-Knopp's inverse entropic regularisation lambda")
+    local_iterations: int = P.param(5, P.Interval(1, None), "iterations of the local (balanced k-means) clustering")
+    local_sinkhorn_iters: int = P.param(10, P.Interval(1, None), "Sinkhorn-Knopp iterations of local clustering")
+    global_steps: int = P.param(50, P.Interval(1, None), "SGD steps of global clustering per round")
+    global_sinkhorn_iters: int = P.param(100, P.Interval(1, None), "Sinkhorn-Knopp iterations of global clustering")
+    global_lr: float = P.param(0.01, P.Interval(0, None, "neither"), "learning rate of global clustering")
+    global_momentum: float = P.param(0.9, P.Interval(0, 1, "right"), "momentum of global clustering")
+    global_weight_decay: float = P.param(1e-4, P.Interval(0, None), "weight decay of global clustering")
+    weighting: str = P.param("batches", P.OneOf(("samples", "batches")), "aggregation weights: n_k, or the number of batches ceil(n_k / B) (FedU2's code)")
+
+
+@ALGORITHMS.register("orchestra")
+class Orchestra(SelfSupervised):
+    """Orchestra (Lubana et al., ICML 2022).
+
+    The server keeps global centroids ``C [G, d]`` (unit rows). Client ``k`` keeps a
+    target network ``xi`` (EMA of its online network ``theta``), a memory ``Mem [M, d]`` of
+    its latest target projections and, between rounds, nothing else (the optimiser's
+    momentum persists with ``persist_optimizer_state=true``, as in the code). On views
+    ``x1 ~ T1``, ``x2 ~ T2`` (``augment=orchestra``) and ``x3 = rot_a(T1(x))``, at every
+    step::
+
+        xi      <- ema xi + (1 - ema) theta                       (before the step)
+        z2      = normalize(proj(enc(x2))),  t1 = normalize(proj_xi(enc_xi(x1)))
+        L       = - mean_i sum_c softmax(t1 C^T / T)_ic log softmax(z2 C^T / T)_ic
+                  + rotation CE(deg(proj(enc(x3))), a)
+        Mem     <- the newest M rows of [Mem; t1]                 (after the step)
+
+    After training the client clusters ``Mem`` into ``L`` local centroids
+    (:func:`local_clustering`) and sends them with its online network. The server
+    averages the networks (weights ``ceil(n_k / B)``, BatchNorm statistics included)
+    and fits ``C`` to the union of the local centroids (:func:`global_clustering`).
+    Round 0 only clusters: every client fills its memory with the target projections of
+    ``T1`` views of its first ``M`` samples (repeated if it has fewer) and sends its
+    local centroids; the server runs global clustering and keeps the model.
+    """
+
+    name = "orchestra"
+    summary = "Orchestra: clustering-based federated self-supervised learning; EMA target, memory, local and global Sinkhorn clustering"
+    paper = "Lubana, Tang, Kawsar, Dick, Mathur, Orchestra: Unsupervised Federated Learning via Globally Consistent Clustering, ICML 2022"
+    Params = OrchestraParams
+    method = "orchestra"
+
+    def __init__(self, params: Any, federation: Any) -> None:
+        super().__init__(params, federation)
+        if params.local_clusters > params.memory:
+            raise ConfigError(
+                f"algorithm.local_clusters={params.local_clusters} exceeds algorithm.memory={params.memory}: local "
+                "clustering starts from distinct rows of the memory; set local_clusters <= memory"
+            )
+
+    @classmethod
+    def heads(cls, params: Any) -> Heads:
+        return Heads(classifier=False, extra=(("rotation", 4),) if params.rotation > 0 else ())
+
+    @property
+    def byol(self) -> bool:
+        return False
+
+    # -- server ------------------------------------------------------------------------
+    def init_server(self, model: StateDict) -> ServerState:
+        """``C`` drawn like ``nn.Linear(d, G, bias=False)``'s weight: uniform in
+        ``[-1/sqrt(d), 1/sqrt(d)]`` (normalised by the first global clustering)."""
+        d, G = self.federation.rep_dim, self.params.global_clusters
+        bound = 1 / math.sqrt(d)
+        g = generator(self.federation.seed, "orchestra-centroids")
+        C = (torch.rand(G, d, generator=g) * 2 - 1) * bound
+        return ServerState(model, {"centroids": C.to(next(iter(model.values())).device)})
+
+    def broadcast(self, server: ServerState, round: int) -> dict[str, Any]:
+        return {"model": server.model, "centroids": server.extras["centroids"]}
+
+    def reply_spec(self, message: dict[str, Any]) -> dict[str, Any]:
+        C = message["centroids"]
+        return {"model": spec_of(message["model"]), "local_centroids": TensorSpec((self.params.local_clusters, C.shape[1]), C.dtype)}
+
+    def aggregate(self, server: ServerState, replies: list[Reply], round: int) -> ServerState:
+        p = self.params
+        model = server.model if round == 0 else weighted_average([r.payload["model"] for r in replies], self.weights(replies))
+        Z = torch.cat([r.payload["local_centroids"] for r in replies])
+        C = global_clustering(
+            server.extras["centroids"], Z, p.temperature, p.global_steps, p.global_lr, p.global_momentum,
+            p.global_weight_decay, p.sinkhorn_lambda, p.global_sinkhorn_iters,
+        )
+        return ServerState(model, {**server.extras, "centroids": C})
+
+    # -- client ------------------------------------------------------------------------
+    def client_begin(self, message: dict[str, Any], state: dict[str, Any], ctx: ClientContext) -> LocalTask:
+        params, buffers = self.federation.split(message["model"])
+        target = state.get("target") or target_part(message["model"])
+        t_params, t_buffers = self.federation.split({**message["model"], **target})
+        memory = state["memory"] if "memory" in state else self.fill_memory(t_params, t_buffers, ctx)
+        return LocalTask(
+            params={"model": params, "target": t_params, "memory": {"bank": memory.clone()}},
+            buffers={"model": buffers, "target": t_buffers},
+            consts={"centroids": message["centroids"]},
+            epochs=(0,) if ctx.round == 0 else None,
+        )
+
+    def fill_memory(self, t_params: StateDict, t_buffers: StateDict, ctx: ClientContext) -> torch.Tensor:
+        """The first memory: normalised target projections (train-mode forwards in
+        batches of ``B``, the target's statistics left unchanged) of ``T1`` views of the
+        client's first ``M`` samples in a random order, repeated to ``M`` rows when the
+        client has fewer."""
+        M, B = self.params.memory, self.federation.batch_size
+        g = ctx.generator("orchestra-memory")
+        x, _ = ctx.augmented_data(0, g)
+        rows = torch.randperm(len(x), generator=g)[:M].to(x.device)
+        state = {**t_params, **{k: v.clone() for k, v in t_buffers.items()}}
+        with torch.no_grad():
+            z = torch.cat([F.normalize(ctx.net(state, x[rows[i : i + B]], train=True).z, dim=1) for i in range(0, len(rows), B)])
+        return z.repeat(math.ceil(M / len(z)), 1)[:M]
+
+    def stages(self, round: int) -> list[Stage]:
+        return [
+            Stage(self.local_loss, trains=("model",), pre_step=self.ema_step, post_step=self.remember, noise=self.noise_shapes())
+        ]
+
+    def local_loss(self, task: TaskView, batch: Batch, net: Network):
+        T, C = self.params.temperature, task.consts["centroids"]
+        model = {**task.params["model"], **task.buffers["model"]}
+        z2 = F.normalize(net(model, batch.x[1], train=True).z, dim=1)
+        target = {**task.params["target"], **task.buffers["target"]}
+        with torch.no_grad():  # train mode: the target's statistics follow its forwards
+            t1 = F.normalize(net(target, batch.x[0], train=True).z, dim=1)
+        cluster = -(F.softmax(t1 @ C.T / T, dim=1) * F.log_softmax(z2 @ C.T / T, dim=1)).sum(dim=1).mean()
+        loss, stats = cluster, {"cluster": cluster.detach()}
+        if self.params.rotation > 0:
+            rot = rotation_loss(task, batch, net)
+            loss = loss + self.params.rotation * rot
+            stats["rotation"] = rot.detach()
+        return loss, {"loss": loss.detach(), **stats}
+
+    def remember(self, task: TaskView, batch: Batch, net: Network) -> dict[str, StateDict]:
+        """``Mem <- the newest M rows of [Mem; t1]`` with this step's target projections
+        ``t1`` (recomputed: the step changed no target parameter; the statistics are not
+        updated twice)."""
+        target = {**task.params["target"], **{k: v.clone() for k, v in task.buffers["target"].items()}}
+        t1 = F.normalize(net(target, batch.x[0], train=True).z, dim=1)
+        bank = task.params["memory"]["bank"]
+        return {"memory": {"bank": torch.cat([bank, t1])[-bank.shape[0] :]}}
+
+    def client_end(
+        self, task: LocalTask, result: TrainResult, state: dict[str, Any], ctx: ClientContext
+    ) -> tuple[Reply, dict[str, Any]]:
+        p = self.params
+        bank = result.params["memory"]["bank"].detach().clone()
+        local = local_clustering(bank, p.local_clusters, p.local_iterations, p.sinkhorn_lambda, p.local_sinkhorn_iters, ctx.generator("orchestra-local"))
+        payload = {"model": model_state(result), "local_centroids": local}
+        return Reply(ctx.cid, ctx.num_samples, payload), {"target": target_part(model_state(result, "target")), "memory": bank}
+
+
+# -- clustering ---------------------------------------------------------------------------
+def sinkhorn_knopp(scores: torch.Tensor, lam: float, iters: int) -> torch.Tensor:
+    """Orchestra's balanced soft assignment of ``N`` samples to ``K`` clusters from scores
+    ``S [N, K]``: ``P = softmax(lam S)^T`` (``[K, N]``), then alternately
+
+        r = (1/K) / (P c),   c = (1/N) / (P^T r)
+
+    from ``c = 1/N`` for at most ``iters`` iterations, stopping once
+    ``sum |c / c_new - 1| < 1e-2`` (checked every 10th iteration, as the code does);
+    returns ``N diag(c) P^T diag(r)`` (``[N, K]``, rows summing to about 1)."""
+    N, K = scores.shape
+    P = F.softmax(lam * scores, dim=1).T
+    r = torch.full((K, 1), 1 / K, dtype=P.dtype, device=P.device)
+    c = torch.full((N, 1), 1 / N, dtype=P.dtype, device=P.device)
+    err = math.inf
+    for it in range(iters):
+        r = (1 / K) / (P @ c)
+        c_new = (1 / N) / (r.T @ P).T
+        if it % 10 == 0:
+            err = float(torch.nansum((c / c_new - 1).abs()))
+        c = c_new
+        if err < 1e-2:
+            break
+    return (P * c.squeeze(1)).T * r.squeeze(1) * N
+
+
+def local_clustering(
+    Z: torch.Tensor, clusters: int, iterations: int, lam: float, sinkhorn_iters: int, g: torch.Generator
+) -> torch.Tensor:
+    """Balanced k-means of the memory ``Z [M, d]`` into ``clusters`` unit centroids:
+    start from distinct random rows of ``Z``; ``iterations`` times assign every row to
+    ``argmax_k sinkhorn_knopp(Z mu^T)`` and set ``mu_k = normalize(mean of its rows)`` (a
+    random row of ``Z`` when it has none)."""
+    mu = Z[torch.randperm(len(Z), generator=g)[:clusters].to(Z.device)].clone()
+    for _ in range(iterations):
+        assign = sinkhorn_knopp(Z @ mu.T, lam, sinkhorn_iters).argmax(dim=1)
+        for k in range(clusters):
+            members = Z[assign == k]
+            if len(members) == 0:
+                members = Z[torch.randint(len(Z), (1,), generator=g).to(Z.device)]
+            mu[k] = F.normalize(members.mean(dim=0), dim=0)
+    return mu
+
+
+def global_clustering(
+    C: torch.Tensor, Z: torch.Tensor, temperature: float, steps: int, lr: float, momentum: float,
+    weight_decay: float, lam: float, sinkhorn_iters: int,
+) -> torch.Tensor:
+    """Orchestra's server clustering of the clients' local centroids ``Z [N, d]``:
+    ``steps`` steps of SGD (momentum, weight decay, a fresh buffer each round) on
+
+        L(C) = - mean_i cos( Q_i, softmax(normalize(Z) C^T / T)_i ),   Q = sinkhorn_knopp(Z C^T)
+
+    (``Q`` without gradient), each followed by ``C <- normalize rows of C``."""
+    C = C.detach().clone()
+    buf = None
+    for _ in range(steps):
+        with torch.no_grad():
+            Q = sinkhorn_knopp(Z @ C.T, lam, sinkhorn_iters)
+        C.requires_grad_(True)
+        probs = F.softmax(F.normalize(Z, dim=1) @ C.T / temperature, dim=1)
+        loss = -F.cosine_similarity(Q, probs, dim=-1).mean()
+        (grad,) = torch.autograd.grad(loss, C)
+        with torch.no_grad():
+            d = grad + weight_decay * C
+            buf = d if buf is None else momentum * buf + d
+            C = F.normalize(C - lr * buf, dim=1)
+    return C.detach()
