@@ -343,19 +343,6 @@ def test_orchestra_seeded_generator_reproduces() -> None:
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("view", [0, 1])
-def test_orchestra_many_clients_at_once_equals_separate_calls(device: str, view: int) -> None:
-    transform = AUGMENTATIONS.get("orchestra")(MEAN, STD)[view]
-    x = images(3 * 8).view(3, 8, 3, 32, 32)
-    per_client = [transform.sample(8, torch.Generator().manual_seed(k)) for k in range(3)]
-    stacked = {key: torch.stack([p[key] for p in per_client]) for key in per_client[0]}
-    out = transform(x.to(device), stacked)
-    assert out.device.type == device and out.shape == (3, 8, 3, 32, 32)
-    for k in range(3):
-        torch.testing.assert_close(out[k].cpu(), transform(x[k], per_client[k]), rtol=0, atol=1e-5)
-
-
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(
     "op",
     [

@@ -20,6 +20,7 @@ from contrafl.data.augment import (
     RandomResizedCrop,
     ToFloat,
     Transform,
+    view_transform,
 )
 from contrafl.data.augment import _rgb_to_hsv
 
@@ -304,8 +305,9 @@ def test_simclr_seeded_generator_reproduces() -> None:
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_simclr_many_clients_at_once_equals_separate_calls(device: str) -> None:
-    transform = AUGMENTATIONS.get("simclr")(MEAN, STD)
+@pytest.mark.parametrize("name, view", [("simclr", 0), ("orchestra", 0), ("orchestra", 1)])
+def test_many_clients_at_once_equals_separate_calls(device: str, name: str, view: int) -> None:
+    transform = view_transform(AUGMENTATIONS.get(name)(MEAN, STD), view)
     x = images(3 * 8).view(3, 8, 3, 32, 32)
     per_client = [transform.sample(8, torch.Generator().manual_seed(k)) for k in range(3)]
     stacked = {key: torch.stack([p[key] for p in per_client]) for key in per_client[0]}

@@ -214,6 +214,15 @@ def test_local_centroids_with_a_wrong_shape_are_rejected(tmp_path):
 def test_more_local_clusters_than_memory_is_a_config_error(capsys):
     from contrafl.cli import main
 
-    assert main(["run", "algorithm=orchestra", "algorithm.memory=8", "algorithm.local_clusters=9"]) == 2
+    assert main(["run", "algorithm=orchestra", "algorithm.rotation=0", "algorithm.memory=8", "algorithm.local_clusters=9"]) == 2
     err = capsys.readouterr().err
     assert "algorithm.local_clusters=9 exceeds algorithm.memory=8" in err and "Traceback" not in err
+
+
+def test_rotation_on_vectors_is_a_config_error(capsys):
+    from contrafl.cli import main
+
+    assert main(["run", "algorithm=orchestra"]) == 2  # digits: 64-d vectors
+    err = capsys.readouterr().err
+    assert "algorithm.rotation=1.0 predicts quarter turns of square images" in err and "[64]" in err
+    assert "Traceback" not in err

@@ -337,6 +337,12 @@ class Algorithm:
         self.params = params
         self.federation = federation
 
+    @classmethod
+    def input_problem(cls, params: Any, input_shape: tuple[int, ...]) -> str | None:
+        """Why the algorithm cannot train on samples of ``input_shape`` with ``params``
+        (a sentence naming the setting and how to fix it), or None."""
+        return None
+
     # -- model -------------------------------------------------------------------------
     @classmethod
     def heads(cls, params: Any) -> Heads:

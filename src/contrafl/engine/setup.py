@@ -189,6 +189,9 @@ def prepare(cfg: Config) -> Setup:
             f"dataset {data.name} is federated by construction; use partition=natural "
             f"(got partition={cfg.partition.name})"
         )
+    why = algo_cls.input_problem(algo_params, tuple(data.train.x.shape[1:]))
+    if why is not None:
+        raise ConfigError(why)
     labels = data.train.y.numpy()
     if cfg.num_clients > len(labels):
         raise ConfigError(

@@ -1,0 +1,1 @@
+"""Echo app for the tests of :mod:`contrafl.flower.launch`."""
