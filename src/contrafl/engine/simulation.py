@@ -23,7 +23,8 @@ import os
 import tempfile
 import time
 import traceback
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -88,6 +89,25 @@ class Context:
         return generator(self._sim.cfg.seed, "client", self.round, self.cid, *key)
 
 
+@dataclass
+class ClientOutcome:
+    """One client's part of a round as the server sees it: its reply with the training
+    loss summed over its steps and the number of steps, or ``reply=None`` and why
+    (``lost``: the client never answered, e.g. its process died)."""
+
+    cid: int
+    reply: Reply | None
+    loss: float | None = None
+    steps: int = 0
+    lost: str | None = None
+
+
+Transport = Callable[[int, list[int], Callable[[int], dict[str, Any]], list[Phase]], Iterable[ClientOutcome]]
+"""How a round reaches its clients: ``transport(round, cids, message_for, phases)`` gives
+their outcomes (:meth:`Simulation.train_locally` in this process; contrafl.flower's over
+a Flower grid)."""
+
+
 def make_executor(name: str, workload: Workload, cfg: Config):
     """The executor ``name`` for ``workload``."""
     if name == "vectorized":
@@ -132,6 +152,7 @@ class Simulation:
         self.history: list[dict[str, Any]] = []
         self.comm_total: dict[str, dict[str, int]] = {"down": {}, "up": {}}
         self.rounds_done = 0
+        self.transport: Transport | None = None  # None: train_locally
         self.checkpointed = 0  # rounds saved in the run directory's checkpoint
         self.wall_time_before = 0.0  # seconds spent before a resume
         self.checkpoint_seconds = 0.0  # spent writing checkpoints (by this process)
@@ -284,65 +305,85 @@ class Simulation:
         )
         return make_executor(self.executor_name, workload, self.cfg)
 
-    def client_job(
-        self, cid: int, t: int, broadcast: dict[str, Any], phases: list[Phase]
-    ) -> tuple[Job, Context, dict[str, Any], dict[str, Any]]:
-        """Client ``cid``'s local training in round ``t`` of ``phases`` after the server
-        sent ``broadcast``: the job, the client's context, its entry in the store (or a
-        fresh one) and the message it received."""
+    def client_job(self, cid: int, t: int, message: dict[str, Any], phases: list[Phase]) -> tuple[Job, Context, dict[str, Any]]:
+        """Client ``cid``'s local training in round ``t`` of ``phases`` on ``message``:
+        the job, the client's context and its entry in the store (or a fresh one)."""
         algo = self.algorithm
         ctx = Context(self, cid, t)
         entry = self.store.get(cid) or {"algorithm": algo.init_client(ctx), "optimizer": None}
-        message = algo.message_for(broadcast, self.server, cid, t)
         task = algo.client_begin(message, entry["algorithm"], ctx)
         seed = derive_seed(self.cfg.seed, "dropout", t, cid)
-        return Job(cid, task, self.plans(cid, t, phases, task), seed, entry["optimizer"]), ctx, entry, message
+        return Job(cid, task, self.plans(cid, t, phases, task), seed, entry["optimizer"]), ctx, entry
+
+    def train_locally(
+        self, t: int, cids: list[int], message_for: Callable[[int], dict[str, Any]], phases: list[Phase]
+    ) -> Iterator[ClientOutcome]:
+        """Round ``t``'s local training of clients ``cids`` in this process with the run's
+        executor: ``client_begin`` on ``message_for(cid)``, the executor, ``client_end``;
+        each client's next state goes to the store. The outcomes come in the order the
+        executor finishes the clients."""
+        algo, cfg = self.algorithm, self.cfg
+        executor = self.round_executor(phases)
+        open_clients: dict[int, tuple[Context, dict[str, Any]]] = {}
+
+        def make_job(cid: int) -> Job:
+            job, ctx, entry = self.client_job(cid, t, message_for(cid), phases)
+            open_clients[cid] = (ctx, entry)
+            return job
+
+        for job, result in executor.run(make_job, cids):
+            ctx, entry = open_clients.pop(job.cid)
+            reply, state = algo.client_end(job.task, result, entry["algorithm"], ctx)
+            entry = {"algorithm": state, "optimizer": result.opt_state if cfg.persist_optimizer_state else None}
+            if entry["algorithm"] or entry["optimizer"] is not None or job.cid in self.store:
+                self.store.put(job.cid, entry)
+            loss = float(result.stats["loss"]) if "loss" in result.stats else None
+            yield ClientOutcome(job.cid, reply, loss, result.steps)
 
     def run_round(self, t: int) -> dict[str, Any]:
         cfg, algo = self.cfg, self.algorithm
         sampled = self.schedule[t]
         broadcast = algo.broadcast(self.server, t)
         phases = algo.phases(t)
-        executor = self.round_executor(phases)
-        open_clients: dict[int, tuple[Context, dict[str, Any], dict[str, Any]]] = {}
         down: dict[str, int] = {}
         broadcast_bytes = payload_bytes(broadcast)
+        own_messages: dict[int, dict[str, Any]] = {}  # clients whose message is not the broadcast
 
-        def make_job(cid: int) -> Job:
-            job, ctx, entry, message = self.client_job(cid, t, broadcast, phases)
+        def message_for(cid: int) -> dict[str, Any]:
+            message = algo.message_for(broadcast, self.server, cid, t)
             add_bytes(down, broadcast_bytes if message is broadcast else payload_bytes(message))
-            open_clients[cid] = (ctx, entry, message)
-            return job
+            if message is not broadcast:
+                own_messages[cid] = message
+            return message
 
         replies: list[Reply] = []
         rejected: dict[int, str] = {}
+        lost: dict[int, str] = {}
         losses: dict[int, float] = {}
         steps = 0
         up: dict[str, int] = {}
         broadcast_spec = None
-        own_messages: dict[int, dict[str, Any]] = {}  # clients whose message is not the broadcast
-        for done, (job, result) in enumerate(executor.run(make_job, sampled), start=1):
-            ctx, entry, message = open_clients.pop(job.cid)
-            if message is not broadcast:
-                own_messages[job.cid] = message
-            reply, state = algo.client_end(job.task, result, entry["algorithm"], ctx)
+        transport = self.transport or self.train_locally
+        for done, outcome in enumerate(transport(t, sampled, message_for, phases), start=1):
+            cid = outcome.cid
+            if outcome.reply is None:
+                lost[cid] = outcome.lost or "no reply"
+                continue
+            reply = outcome.reply
             add_bytes(up, payload_bytes(reply.payload))
-            if message is broadcast:
+            if cid in own_messages:
+                spec = algo.reply_spec(own_messages[cid])
+            else:
                 broadcast_spec = broadcast_spec or algo.reply_spec(broadcast)
                 spec = broadcast_spec
-            else:
-                spec = algo.reply_spec(message)
-            reason = check_reply(reply, spec)
+            reason = check_reply(reply, spec) if reply.cid == cid else f"the reply names client {reply.cid!r}"
             if reason is None:
                 replies.append(reply)
             else:
-                rejected[reply.cid] = self.reject(reply.cid, reason, t)
-            entry = {"algorithm": state, "optimizer": result.opt_state if cfg.persist_optimizer_state else None}
-            if entry["algorithm"] or entry["optimizer"] is not None or job.cid in self.store:
-                self.store.put(job.cid, entry)
-            if "loss" in result.stats:
-                losses[job.cid] = float(result.stats["loss"])
-            steps += result.steps
+                rejected[cid] = self.reject(cid, reason, t)
+            if outcome.loss is not None:
+                losses[cid] = outcome.loss
+            steps += outcome.steps
             if self.progress is not None:
                 self.progress.clients(t + 1, done, len(sampled))
         replies.sort(key=lambda r: r.cid)
@@ -366,6 +407,8 @@ class Simulation:
         }
         if rejected:
             row["rejected"] = [{"client": cid, "reason": why} for cid, why in sorted(rejected.items())]
+        if lost:
+            row["lost"] = [{"client": cid, "reason": why} for cid, why in sorted(lost.items())]
         if (t + 1) % cfg.eval_every == 0 or t + 1 == cfg.rounds:
             row.update(self.evaluate(t + 1))
         if cfg.knn_every and ((t + 1) % cfg.knn_every == 0 or t + 1 == cfg.rounds):
@@ -392,7 +435,7 @@ class Simulation:
         phases = self.algorithm.phases(t)
 
         def make_job(cid: int) -> Job:
-            job = self.client_job(cid, t, broadcast, phases)[0]
+            job = self.client_job(cid, t, self.algorithm.message_for(broadcast, self.server, cid, t), phases)[0]
             job.opt_state = pytree.tree_map_only(torch.Tensor, torch.clone, job.opt_state)
             return job
 
@@ -541,7 +584,9 @@ def trained_model(result: TrainResult) -> StateDict:
     return {k: v for r in roles for k, v in {**result.params[r], **result.buffers.get(r, {})}.items()}
 
 
-def _check_partition(setup: Setup, path: Path, advice: str) -> None:
+def check_partition(setup: Setup, path: Path, advice: str) -> None:
+    """Stop with a :class:`CheckpointError` when the data give another partition than the
+    run directory ``path`` recorded."""
     partition = path / "partition.json"
     if partition.is_file() and partition.read_text() != json.dumps(setup.partition.to_json()):
         raise CheckpointError(f"the data gives another partition than {partition} (different dataset files?); {advice}")
@@ -551,7 +596,7 @@ def resume(setup: Setup, run_dir: RunDir, progress: Progress | None = None) -> S
     """A simulation that continues the run in ``run_dir`` from its last checkpoint, or
     from round 0 when it has none yet (its per-round files are then emptied). The data
     must give the partition the run started with."""
-    _check_partition(setup, run_dir.path, "resume with the data the run started with")
+    check_partition(setup, run_dir.path, "resume with the data the run started with")
     sim = Simulation(setup, run_dir, progress)
     checkpoint = load_checkpoint(run_dir.path)
     if checkpoint is not None:
@@ -571,7 +616,7 @@ def read_only(setup: Setup, path: Path, checkpoint: dict[str, Any], clients: Ite
     the other clients then look as if they had no state yet. The data must give the
     run's partition."""
     path = Path(path)
-    _check_partition(setup, path, "analyse the run with the data it was trained on")
+    check_partition(setup, path, "analyse the run with the data it was trained on")
     sim = Simulation(setup)
     manifest = checkpoint["clients"]
     sim.restore({**checkpoint, "clients": {"files": {}, "serial": manifest["serial"]}})
