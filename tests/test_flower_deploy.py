@@ -52,3 +52,15 @@ def test_deployment_equals_the_simulator(tmp_path, deployment, algorithm):
         assert torch.equal(v, models[1]["model"][k]), k
     summary = json.loads((tmp_path / "flower-run" / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["rounds_completed"] == 2
+
+
+def test_contrafl_deploy_with_tls_equals_the_simulator(tmp_path, capsys):
+    """`contrafl deploy --tls`: its own SuperLink (certificates generated for the run) and
+    SuperNodes, the run directory of `contrafl run`, the simulator's metrics."""
+    settings = ["algorithm=moon", "num_clients=2", "rounds=1", "local_epochs=1", "executor=sequential", "eval_personal=false"]
+    assert main(["deploy", "--tls", "--round-timeout", "120", "--out", str(tmp_path / "flower-run"), *settings]) == 0
+    assert "finished:completed" in capsys.readouterr().out
+    assert (tmp_path / "flower-run" / "flower" / "certs").is_dir()
+    assert sorted(p.name for p in (tmp_path / "flower-run" / "flower-clients").iterdir()) == ["client-0.pt", "client-1.pt"]
+    assert main(["run", "--quiet", "--out", str(tmp_path / "sim"), *settings]) == 0
+    assert (tmp_path / "sim" / "metrics.jsonl").read_text() == (tmp_path / "flower-run" / "metrics.jsonl").read_text()

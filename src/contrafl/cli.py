@@ -179,6 +179,24 @@ def format_summary(summary: dict) -> str:
     return "; ".join(parts)
 
 
+def cmd_deploy(ns: argparse.Namespace) -> int:
+    """``contrafl deploy [CONFIG] KEY=VALUE...``: the run on a local Flower deployment."""
+    config_path, overrides = _split_run_args(ns.args)
+    cfg = load_config(config_path, overrides)
+    try:
+        from .flower.deploy import deploy
+    except ImportError as exc:
+        raise ContraflError(str(exc)) from None
+    from .engine.run_dir import default_run_dir
+
+    path = Path(ns.out) if ns.out else default_run_dir(cfg.algorithm.name, cfg.dataset.name)
+    print(f"contrafl {__version__}: {cfg.algorithm.name} on a local Flower deployment of {cfg.num_clients} SuperNodes"
+          f"{' (TLS)' if ns.tls else ''}; run directory: {path}, Flower logs: {path / 'flower' / 'logs'}")
+    result = deploy(cfg, path, tls=ns.tls, round_timeout=ns.round_timeout, min_replies=ns.min_replies)
+    print(f"Flower run {result.run_id}: {result.status} in {result.seconds:.1f}s; results in {path}")
+    return 0
+
+
 def cmd_list(ns: argparse.Namespace) -> int:
     from . import params as P
     from .algorithms import ALGORITHMS
@@ -408,6 +426,33 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--resume", metavar="RUN_DIR",
                      help="continue a stopped run from its last checkpoint (KEY=VALUE: only where it runs, e.g. executor, device)")
     run.set_defaults(func=cmd_run, settings_dest="args")
+
+    dep = sub.add_parser(
+        "deploy",
+        help="run a config on a local Flower deployment (SuperLink + one SuperNode per client)",
+        description=textwrap.dedent(
+            """\
+            Run a config on the Flower runtime on this machine: a SuperLink and one SuperNode
+            per client (127.0.0.1; insecure, or TLS with certificates made for the run),
+            contrafl's ServerApp running the simulator's round loop and its ClientApps the
+            same local training, e.g.
+              contrafl deploy algorithm=moon num_clients=3 rounds=5 --out runs/moon-flower
+            The run directory is the one `contrafl run` writes (config.yaml, partition.json,
+            metrics.jsonl, summary.json, checkpoints); the SuperNodes keep the client states
+            in flower-clients/, the Flower processes' logs are in flower/logs/. Needs the
+            flower extra: pip install "contrafl[flower]"."""
+        ),
+        epilog=_settings_help(),
+        formatter_class=fmt,
+    )
+    dep.add_argument("args", nargs="*", metavar="[CONFIG] KEY=VALUE", help="config file and overrides")
+    dep.add_argument("--out", metavar="DIR", help="run directory (default: runs/<time>-<algorithm>-<dataset>)")
+    dep.add_argument("--tls", action="store_true", help="serve the SuperLink over TLS (certificates generated in the run directory)")
+    dep.add_argument("--round-timeout", type=float, default=600.0, metavar="S",
+                     help="seconds a round waits for replies before the missing clients count as lost (default 600)")
+    dep.add_argument("--min-replies", type=int, default=1, metavar="N",
+                     help="the fewest replies a round needs after the timeout; fewer stop the run, resumable (default 1)")
+    dep.set_defaults(func=cmd_deploy, settings_dest="args")
 
     lst = sub.add_parser("list", help="list algorithms, datasets, partitions, models, augmentations",
                          description="List what can be chosen, with options and defaults.")
