@@ -158,7 +158,7 @@ class SelfSupervised(Algorithm):
 
     @classmethod
     def input_problem(cls, params: Any, input_shape: tuple[int, ...]) -> str | None:
-        if params.rotation > 0 and (len(input_shape) != 3 or input_shape[1] != input_shape[2]):
+        if getattr(params, "rotation", 0) > 0 and (len(input_shape) != 3 or input_shape[1] != input_shape[2]):
             return (
                 f"algorithm.rotation={params.rotation} predicts quarter turns of square images [C, H, W], but the "
                 f"dataset's samples have shape {list(input_shape)}; set algorithm.rotation=0 or use an image dataset"
