@@ -98,10 +98,6 @@ class Orchestra(SelfSupervised):
     def heads(cls, params: Any) -> Heads:
         return Heads(classifier=False, extra=(("rotation", 4),) if params.rotation > 0 else ())
 
-    @property
-    def byol(self) -> bool:
-        return False
-
     # -- server ------------------------------------------------------------------------
     def init_server(self, model: StateDict) -> ServerState:
         """``C`` drawn like ``nn.Linear(d, G, bias=False)``'s weight: uniform in

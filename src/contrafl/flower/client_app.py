@@ -5,16 +5,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .codec import require_flwr
+from .codec import decode, encode  # first: a clear error when flwr is missing
+from flwr.app import Context, Message
+from flwr.clientapp import ClientApp
 
-require_flwr()
-
-from flwr.app import Context, Message  # noqa: E402
-from flwr.clientapp import ClientApp  # noqa: E402
-
-from .client import FlowerClient  # noqa: E402
-from .codec import decode, encode  # noqa: E402
-from .server import info_record  # noqa: E402
+from .client import FlowerClient
+from .server import info_record
 
 app = ClientApp()
 

@@ -18,12 +18,9 @@ from typing import Any
 from ..algorithms.base import Phase, Reply
 from ..engine.simulation import ClientOutcome
 from ..errors import ContraflError
-from .codec import decode, encode, require_flwr
-
-require_flwr()
-
-from flwr.app import ConfigRecord, Message, MessageType, RecordDict  # noqa: E402
-from flwr.serverapp import Grid  # noqa: E402
+from .codec import decode, encode  # first: a clear error when flwr is missing
+from flwr.app import ConfigRecord, Message, MessageType, RecordDict
+from flwr.serverapp import Grid
 
 POLL_S = 0.2
 QUERY_TIMEOUT_S = 60.0
@@ -52,41 +49,50 @@ class GridTransport:
         self, t: int, cids: list[int], message_for: Callable[[int], dict[str, Any]], phases: list[Phase]
     ) -> Iterator[ClientOutcome]:
         node_of = self.nodes(cids)
-        messages, cid_of = [], {}
+        sent: list[tuple[int, Message]] = []
         for cid in cids:
             if cid not in node_of:
                 yield ClientOutcome(cid, None, lost=f"no SuperNode serves partition {cid}")
                 continue
             content = encode({"round": t, "client": cid, "message": message_for(cid)})
-            messages.append(Message(content, dst_node_id=node_of[cid], message_type=MessageType.TRAIN, group_id=str(t)))
-        for message_id, message in zip(self.grid.push_messages(messages), messages):
-            cid_of[message_id] = self.partition_of[message.metadata.dst_node_id]
-        pending, answered = set(cid_of), 0
-        deadline = time.monotonic() + self.round_timeout
+            sent.append((cid, Message(content, dst_node_id=node_of[cid], message_type=MessageType.TRAIN, group_id=str(t))))
+        cid_of = dict(zip(self.grid.push_messages([m for _, m in sent]), (cid for cid, _ in sent)))
+        answered: set[str] = set()
+        ok = 0
+        for reply in self.replies(list(cid_of), self.round_timeout):
+            message_id = reply.metadata.reply_to_message_id
+            answered.add(message_id)
+            cid = cid_of[message_id]
+            if reply.has_error():
+                self.forget(cid)
+                yield ClientOutcome(cid, None, lost=f"error {reply.error.code}: {reply.error.reason}")
+            else:
+                ok += 1
+                yield outcome_of(cid, decode(reply.content))
+        missing = sorted(set(cid_of) - answered)
+        if missing and ok < self.min_replies:
+            raise ContraflError(
+                f"round {t + 1}: {ok} of {len(cids)} clients replied within round_timeout="
+                f"{self.round_timeout:g}s, fewer than min_replies={self.min_replies}; resume the run once the SuperNodes are up"
+            )
+        for message_id in missing:
+            self.forget(cid_of[message_id])
+            yield ClientOutcome(cid_of[message_id], None, lost=f"no reply within {self.round_timeout:g}s")
+
+    def replies(self, message_ids: list[str], timeout: float) -> Iterator[Message]:
+        """The replies to ``message_ids`` as they arrive (polled every ``POLL_S``), until
+        all are in or ``timeout`` seconds have passed."""
+        pending = set(message_ids)
+        deadline = time.monotonic() + timeout
         while pending:
             for reply in self.grid.pull_messages(list(pending)):
-                message_id = reply.metadata.reply_to_message_id
-                if message_id not in pending:
-                    continue
-                pending.discard(message_id)
-                cid = cid_of[message_id]
-                if reply.has_error():
-                    self.forget(cid)
-                    yield ClientOutcome(cid, None, lost=f"error {reply.error.code}: {reply.error.reason}")
-                    continue
-                answered += 1
-                yield outcome_of(cid, decode(reply.content))
-            if pending and time.monotonic() > deadline:
-                if answered < self.min_replies:
-                    raise ContraflError(
-                        f"round {t + 1}: {answered} of {len(cids)} clients replied within round_timeout="
-                        f"{self.round_timeout:g}s, fewer than min_replies={self.min_replies}; resume the run once the SuperNodes are up"
-                    )
-                for message_id in sorted(pending):
-                    self.forget(cid_of[message_id])
-                    yield ClientOutcome(cid_of[message_id], None, lost=f"no reply within {self.round_timeout:g}s")
-                return
-            time.sleep(POLL_S)
+                if reply.metadata.reply_to_message_id in pending:
+                    pending.discard(reply.metadata.reply_to_message_id)
+                    yield reply
+            if pending:
+                if time.monotonic() > deadline:
+                    return
+                time.sleep(POLL_S)
 
     def nodes(self, cids: list[int]) -> dict[int, int]:
         """``{client id: node id}`` of the online SuperNodes, asking nodes not seen before
@@ -108,16 +114,11 @@ class GridTransport:
         messages = [Message(RecordDict(), dst_node_id=n, message_type=MessageType.QUERY) for n in nodes]
         ids = list(self.grid.push_messages(messages))
         node_of_id = dict(zip(ids, nodes))
-        found: dict[int, int] = {}
-        deadline = time.monotonic() + QUERY_TIMEOUT_S
-        pending = set(ids)
-        while pending and time.monotonic() < deadline:
-            for reply in self.grid.pull_messages(list(pending)):
-                pending.discard(reply.metadata.reply_to_message_id)
-                if not reply.has_error():
-                    found[node_of_id[reply.metadata.reply_to_message_id]] = int(reply.content["info"]["partition-id"])
-            time.sleep(POLL_S)
-        return found
+        return {
+            node_of_id[r.metadata.reply_to_message_id]: int(r.content["info"]["partition-id"])
+            for r in self.replies(ids, QUERY_TIMEOUT_S)
+            if not r.has_error()
+        }
 
     def forget(self, cid: int) -> None:
         """Drop the node of client ``cid``: a restarted SuperNode comes back with a new id."""

@@ -9,18 +9,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .codec import require_flwr
+from . import codec  # noqa: F401  (first: a clear error when flwr is missing)
+from flwr.app import Context
+from flwr.serverapp import Grid, ServerApp
 
-require_flwr()
-
-from flwr.app import Context  # noqa: E402
-from flwr.serverapp import Grid, ServerApp  # noqa: E402
-
-from ..config import load_config  # noqa: E402
-from ..engine.run_dir import RunDir  # noqa: E402
-from ..engine.setup import prepare  # noqa: E402
-from ..engine.simulation import resume  # noqa: E402
-from .server import GridTransport  # noqa: E402
+from ..config import load_config
+from ..engine.run_dir import RunDir
+from ..engine.setup import prepare
+from ..engine.simulation import resume
+from .server import GridTransport
 
 app = ServerApp()
 
