@@ -102,3 +102,20 @@ def test_client_store_checkpoints_survive_later_writes_and_restore(tmp_path):
 def test_state_bytes_counts_shared_storage_once():
     t = torch.zeros(10)
     assert state_bytes({"a": t, "b": [t, t[:5]], "c": 3}) == 40
+
+
+def test_progress_prints_rejected_and_lost_clients_with_their_reasons():
+    import io
+
+    from contrafl.engine.progress import Progress
+
+    out = io.StringIO()
+    row = {
+        "round": 2, "train_loss": 0.5,
+        "rejected": [{"client": 1, "reason": "'w' has non-finite values (1 NaN, 0 infinite)"}],
+        "lost": [{"client": 3, "reason": "no reply within 30s"}],
+    }
+    Progress(4, out).round_done(row)
+    lines = out.getvalue().splitlines()
+    assert lines[0].startswith("round 2/4") and "loss 0.5000" in lines[0]
+    assert lines[1:] == ["  client 1's update rejected: 'w' has non-finite values (1 NaN, 0 infinite)", "  client 3 lost: no reply within 30s"]

@@ -18,8 +18,9 @@ pytest.importorskip("flwr")
 
 from contrafl.cli import main  # noqa: E402
 from contrafl.config import load_config  # noqa: E402
-from contrafl.flower.deploy import APP_DIR, prepare_run, run_config  # noqa: E402
+from contrafl.flower.deploy import APP_DIR, prepare_run, run_config, shared_cores  # noqa: E402
 from contrafl.flower.launch import LocalDeployment  # noqa: E402
+from conftest import torch_threads  # noqa: E402
 
 CLIENTS = 3
 COMMON = [f"num_clients={CLIENTS}", "rounds=2", "local_epochs=1", "executor=sequential", "eval_personal=false"]
@@ -28,7 +29,7 @@ RUNS = {
     "fedavg": [],
     "scaffold": [],
     "moon": [],
-    "fedcrl": [],
+    "fedcrl": ["pool=true", "test_fraction=0.25", "eval_personal=true"],  # evaluate messages
     "fedu2": SSL,
 }
 
@@ -61,6 +62,8 @@ def test_contrafl_deploy_with_tls_equals_the_simulator(tmp_path, capsys):
     assert main(["deploy", "--tls", "--round-timeout", "120", "--out", str(tmp_path / "flower-run"), *settings]) == 0
     assert "finished:completed" in capsys.readouterr().out
     assert (tmp_path / "flower-run" / "flower" / "certs").is_dir()
-    assert sorted(p.name for p in (tmp_path / "flower-run" / "flower-clients").iterdir()) == ["client-0.pt", "client-1.pt"]
-    assert main(["run", "--quiet", "--out", str(tmp_path / "sim"), *settings]) == 0
+    states = sorted(p.relative_to(tmp_path / "flower-run" / "flower-clients").as_posix() for p in (tmp_path / "flower-run" / "flower-clients").rglob("*"))
+    assert states == ["client-0", "client-0/round-0.pt", "client-1", "client-1/round-0.pt"]
+    with torch_threads(shared_cores(2)[0]["threads"]):  # each client's threads in the deployment
+        assert main(["run", "--quiet", "--out", str(tmp_path / "sim"), *settings]) == 0
     assert (tmp_path / "sim" / "metrics.jsonl").read_text() == (tmp_path / "flower-run" / "metrics.jsonl").read_text()

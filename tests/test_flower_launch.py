@@ -94,10 +94,6 @@ def test_insecure_deployment_runs_echo_app(tmp_path: Path) -> None:
     _run_echo(tmp_path, tls=False)
 
 
-def test_tls_deployment_runs_echo_app(tmp_path: Path) -> None:
-    _run_echo(tmp_path, tls=True)
-
-
 @pytest.mark.parametrize(
     "value", [LABEL, MESSAGE, "", "ünï ☃ 😀", "\x00\x1f\x7f", 0, -3, 2**62, 1.5, 1e-5, -0.0,
               float("inf"), True, False],

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from . import __version__
 from .config import COMPONENTS, Config, load_config, parse_overrides
-from .errors import ClientUpdateError, ContraflError
+from .errors import ClientUpdateError, ConfigError, ContraflError
 
 # Exit statuses (README, "Exit status"): 128 + N for a run stopped by signal N.
 EXIT_FAILED = 1  # an unexpected error (a bug, out of memory, a full disk): traceback shown
@@ -181,16 +181,28 @@ def format_summary(summary: dict) -> str:
 
 def cmd_deploy(ns: argparse.Namespace) -> int:
     """``contrafl deploy [CONFIG] KEY=VALUE...``: the run on a local Flower deployment."""
-    config_path, overrides = _split_run_args(ns.args)
-    cfg = load_config(config_path, overrides)
     try:
-        from .flower.deploy import deploy
+        from .flower.deploy import commands, deploy, prepare_run
     except ImportError as exc:
         raise ContraflError(str(exc)) from None
     from .engine.run_dir import default_run_dir
 
-    path = Path(ns.out) if ns.out else default_run_dir(cfg.algorithm.name, cfg.dataset.name)
-    print(f"contrafl {__version__}: {cfg.algorithm.name} on a local Flower deployment of {cfg.num_clients} SuperNodes"
+    if ns.resume:
+        if ns.args or ns.out or ns.prepare_only:
+            raise ConfigError("contrafl deploy --resume RUN_DIR takes no config, KEY=VALUE, --out or --prepare-only: the run keeps its own config.yaml")
+        path, cfg = Path(ns.resume), None
+        if not (path / "config.yaml").is_file():
+            raise ConfigError(f"--resume {path}: no config.yaml there; give the directory of a run started with contrafl deploy")
+        shown = load_config(path / "config.yaml")
+    else:
+        config_path, overrides = _split_run_args(ns.args)
+        cfg = shown = load_config(config_path, overrides)
+        path = Path(ns.out) if ns.out else default_run_dir(cfg.algorithm.name, cfg.dataset.name)
+    if ns.prepare_only:
+        cfg = prepare_run(cfg, path)
+        print(commands(path, cfg.num_clients, ns.round_timeout, ns.min_replies))
+        return 0
+    print(f"contrafl {__version__}: {shown.algorithm.name} on a local Flower deployment of {shown.num_clients} SuperNodes"
           f"{' (TLS)' if ns.tls else ''}; run directory: {path}, Flower logs: {path / 'flower' / 'logs'}")
     result = deploy(cfg, path, tls=ns.tls, round_timeout=ns.round_timeout, min_replies=ns.min_replies)
     print(f"Flower run {result.run_id}: {result.status} in {result.seconds:.1f}s; results in {path}")
@@ -452,6 +464,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="seconds a round waits for replies before the missing clients count as lost (default 600)")
     dep.add_argument("--min-replies", type=int, default=1, metavar="N",
                      help="the fewest replies a round needs after the timeout; fewer stop the run, resumable (default 1)")
+    dep.add_argument("--resume", metavar="RUN_DIR",
+                     help="continue a deployed run from its last checkpoint (after its server or the machine stopped)")
+    dep.add_argument("--prepare-only", action="store_true",
+                     help="write the run directory and print the commands to run it on your own SuperLink and SuperNodes (several machines)")
     dep.set_defaults(func=cmd_deploy, settings_dest="args")
 
     lst = sub.add_parser("list", help="list algorithms, datasets, partitions, models, augmentations",

@@ -65,6 +65,10 @@ class Progress:
             parts.append(f"personal {row['personal_acc']:.4f}±{row['personal_acc_std']:.4f}")
         parts.append(f"{per_round:.1f}s/round ETA {clock_text(eta)}{self.suffix()}")
         self.stream.write(("\r" if self.live else "") + "  ".join(parts) + "\n")
+        for item in row.get("rejected", []):
+            self.stream.write(f"{self.prefix}  client {item['client']}'s update rejected: {item['reason']}\n")
+        for item in row.get("lost", []):
+            self.stream.write(f"{self.prefix}  client {item['client']} lost: {item['reason']}\n")
         self.stream.flush()
 
     def suffix(self) -> str:

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from .. import params as P
@@ -22,10 +23,10 @@ from ..algorithms import ALGORITHMS, Algorithm
 from ..algorithms.base import Federation
 from ..config import Component, Config
 from ..data import augment
-from ..data.base import FederatedDataset
+from ..data.base import ArrayDataset, FederatedDataset
 from ..data.partition import PARTITIONS, Partition, make_partition
 from ..data.registry import DATASETS, LoadRequest
-from ..errors import ConfigError
+from ..errors import ConfigError, DataError
 from ..models import MODELS, build_model
 from ..models.registry import split_options
 from ..models.base import FedModel
@@ -171,8 +172,10 @@ def cpu_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
-def prepare(cfg: Config) -> Setup:
-    """Resolve ``cfg`` (:func:`resolve`), load and partition the data, build the algorithm."""
+def prepare(cfg: Config, partition: Partition | None = None) -> Setup:
+    """Resolve ``cfg`` (:func:`resolve`), load and partition the data (or take
+    ``partition``, a run's recorded partition, checked against the data), build the
+    algorithm."""
     requested, cfg = cfg, resolve(cfg)
     algo_cls = ALGORITHMS.get(cfg.algorithm.name)
     algo_params = P.build(algo_cls.Params, cfg.algorithm.options, "algorithm")
@@ -198,16 +201,19 @@ def prepare(cfg: Config) -> Setup:
             f"num_clients={cfg.num_clients} is larger than the {len(labels)} training samples of "
             f"{data.name}; choose num_clients <= {len(labels)}"
         )
-    partition = make_partition(
-        labels,
-        cfg.num_clients,
-        cfg.partition.name,
-        cfg.partition.options,
-        seed=cfg.seed,
-        test_fraction=cfg.test_fraction,
-        natural=(data.natural_partition or {}).get("train"),
-        num_classes=data.num_classes,
-    )
+    if partition is not None:
+        check_fits(partition, cfg.num_clients, len(labels))
+    else:
+        partition = make_partition(
+            labels,
+            cfg.num_clients,
+            cfg.partition.name,
+            cfg.partition.options,
+            seed=cfg.seed,
+            test_fraction=cfg.test_fraction,
+            natural=(data.natural_partition or {}).get("train"),
+            num_classes=data.num_classes,
+        )
     model_factory = functools.partial(init_model, cfg, data, algo_cls, algo_params)
     model = model_factory(derive_seed(cfg.seed, "global-init"))
     federation = Federation(
@@ -234,6 +240,44 @@ def prepare(cfg: Config) -> Setup:
         device=device,
         warnings=setup_warnings(requested, cfg, algo_cls, partition),
     )
+
+
+def check_fits(partition: Partition, num_clients: int, num_samples: int) -> None:
+    """Raise a :class:`DataError` unless ``partition`` has ``num_clients`` clients whose
+    rows index ``num_samples`` training samples."""
+    if partition.num_clients != num_clients:
+        raise DataError(f"the partition has {partition.num_clients} clients but num_clients={num_clients}; use the run's own config.yaml")
+    parts = partition.train + (partition.test or [])
+    top = max((int(rows.max()) for rows in parts if len(rows)), default=-1)
+    if top >= num_samples:
+        raise DataError(
+            f"the partition indexes training sample {top} but the data have {num_samples}; "
+            "use the dataset files the run was partitioned on"
+        )
+
+
+def own_rows(setup: Setup, cid: int) -> Setup:
+    """``setup`` as client ``cid`` sees it: the training data are its own rows alone
+    (its training rows, then its local test rows) and the partition gives it those rows
+    in that order and the other clients none. Its batches are the same samples as in the
+    full setup (:func:`~contrafl.engine.plan.make_plan` draws positions in the client's
+    row list, not row numbers); the algorithm keeps the federation it was built with."""
+    part = setup.partition
+    train = part.train[cid]
+    test = part.test[cid] if part.test is not None else np.zeros(0, dtype=np.int64)
+    rows = torch.as_tensor(np.concatenate([train, test]), dtype=torch.long)
+    data = dataclasses.replace(setup.data, train=ArrayDataset(setup.data.train.x[rows], setup.data.train.y[rows]))
+    empty = np.zeros(0, dtype=np.int64)
+
+    def only(own: np.ndarray) -> list[np.ndarray]:
+        return [own if c == cid else empty for c in range(part.num_clients)]
+
+    mine = Partition(
+        part.method, part.options, part.seed,
+        train=only(np.arange(len(train))),
+        test=None if part.test is None else only(np.arange(len(train), len(rows))),
+    )
+    return dataclasses.replace(setup, data=data, partition=mine)
 
 
 def setup_warnings(requested: Config, cfg: Config, algo_cls: type[Algorithm], partition: Partition) -> list[str]:

@@ -26,7 +26,7 @@ import traceback
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -102,10 +102,30 @@ class ClientOutcome:
     lost: str | None = None
 
 
-Transport = Callable[[int, list[int], Callable[[int], dict[str, Any]], list[Phase]], Iterable[ClientOutcome]]
-"""How a round reaches its clients: ``transport(round, cids, message_for, phases)`` gives
-their outcomes (:meth:`Simulation.train_locally` in this process; contrafl.flower's over
-a Flower grid)."""
+Scores = dict[str, float]
+"""A model's evaluation on a client's test data: ``acc``, ``loss`` (means) and ``n``
+(:func:`contrafl.eval.evaluate.evaluate`)."""
+
+
+class Transport(Protocol):
+    """How the server reaches its clients when they are not in its process (in-process,
+    :meth:`Simulation.train_locally` and :meth:`Simulation.evaluate_locally`): over a
+    Flower grid, :class:`contrafl.flower.server.GridTransport`."""
+
+    def train(
+        self, t: int, cids: list[int], message_for: Callable[[int], dict[str, Any]], phases: list[Phase]
+    ) -> Iterable[ClientOutcome]:
+        """Round ``t``'s local training of clients ``cids`` on their messages: their
+        outcomes, in any order."""
+        ...
+
+    def evaluate(
+        self, t: int, cids: list[int], message_for: Callable[[int], dict[str, Any]]
+    ) -> Iterable[tuple[int, Scores | None]]:
+        """Each client's personal model at the start of round ``t`` (made from its state
+        and its message) on its own test data: ``(cid, scores)``, ``None`` for a client
+        without a personal model; clients that cannot be reached may be missing."""
+        ...
 
 
 def make_executor(name: str, workload: Workload, cfg: Config):
@@ -152,7 +172,7 @@ class Simulation:
         self.history: list[dict[str, Any]] = []
         self.comm_total: dict[str, dict[str, int]] = {"down": {}, "up": {}}
         self.rounds_done = 0
-        self.transport: Transport | None = None  # None: train_locally
+        self.transport: Transport | None = None  # None: train_locally, evaluate_locally
         self.checkpointed = 0  # rounds saved in the run directory's checkpoint
         self.wall_time_before = 0.0  # seconds spent before a resume
         self.checkpoint_seconds = 0.0  # spent writing checkpoints (by this process)
@@ -363,8 +383,8 @@ class Simulation:
         steps = 0
         up: dict[str, int] = {}
         broadcast_spec = None
-        transport = self.transport or self.train_locally
-        for done, outcome in enumerate(transport(t, sampled, message_for, phases), start=1):
+        train = self.transport.train if self.transport is not None else self.train_locally
+        for done, outcome in enumerate(train(t, sampled, message_for, phases), start=1):
             cid = outcome.cid
             if outcome.reply is None:
                 lost[cid] = outcome.lost or "no reply"
@@ -492,27 +512,18 @@ class Simulation:
         (:meth:`~contrafl.algorithms.base.Algorithm.personal_model`) on its local test
         split (the global test set without one). ``personal_acc`` is the sample-weighted
         accuracy ``sum_i correct_i / sum_i n_i``, ``personal_acc_std`` the population std
-        of the clients' accuracies and ``personal_acc_mean`` their unweighted mean."""
-        algo, tf, bs = self.algorithm, self.setup.eval_transform, self.cfg.eval_batch_size
-        test_rows = self.setup.partition.test
+        of the clients' accuracies and ``personal_acc_mean`` their unweighted mean (sums
+        in client order, whatever order the scores arrive in)."""
+        algo = self.algorithm
         message = algo.broadcast(self.server, next_round)
+        evaluate_round = self.transport.evaluate if self.transport is not None else self.evaluate_locally
+        scores = dict(evaluate_round(next_round, list(range(self.cfg.num_clients)), lambda cid: algo.message_for(message, self.server, cid, next_round)))
         accs: list[float] = []
         correct = loss = 0.0
         total = 0
-        for cid in range(self.cfg.num_clients):
-            ctx = Context(self, cid, next_round)
-            entry = self.store.get(cid)
-            state = entry["algorithm"] if entry is not None else algo.init_client(ctx)
-            model = algo.personal_model(state, algo.message_for(message, self.server, cid, next_round), ctx)
-            if model is None:
-                continue
-            if test_rows is not None:
-                rows = torch.as_tensor(test_rows[cid], dtype=torch.long, device=self.device)
-                x, y = self.train.x[rows], self.train.y[rows]
-            else:
-                x, y = self.test.x, self.test.y
-            res = evaluate(self.net, model.state, x, y, tf, bs, scores=model.scores)
-            if res["n"]:
+        for cid in sorted(scores):
+            res = scores[cid]
+            if res is not None and res["n"]:
                 accs.append(res["acc"])
                 correct += res["acc"] * res["n"]
                 loss += res["loss"] * res["n"]
@@ -527,6 +538,29 @@ class Simulation:
             "personal_loss": loss / total,
             "personal_clients": len(accs),
         }
+
+    def evaluate_locally(
+        self, t: int, cids: list[int], message_for: Callable[[int], dict[str, Any]]
+    ) -> Iterator[tuple[int, Scores | None]]:
+        """Clients ``cids`` evaluated in this process (:meth:`Transport.evaluate`): each
+        one's personal model from its stored state (its initial state when it has none)
+        and ``message_for(cid)``, on its local test split or the global test set."""
+        algo, tf, bs = self.algorithm, self.setup.eval_transform, self.cfg.eval_batch_size
+        test_rows = self.setup.partition.test
+        for cid in cids:
+            ctx = Context(self, cid, t)
+            entry = self.store.get(cid)
+            state = entry["algorithm"] if entry is not None else algo.init_client(ctx)
+            model = algo.personal_model(state, message_for(cid), ctx)
+            if model is None:
+                yield cid, None
+                continue
+            if test_rows is not None:
+                rows = torch.as_tensor(test_rows[cid], dtype=torch.long, device=self.device)
+                x, y = self.train.x[rows], self.train.y[rows]
+            else:
+                x, y = self.test.x, self.test.y
+            yield cid, evaluate(self.net, model.state, x, y, tf, bs, scores=model.scores)
 
     # -- outputs --------------------------------------------------------------------
     def summary(self, status: str, seconds: float, error: str | None = None) -> dict[str, Any]:

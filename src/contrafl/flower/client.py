@@ -1,63 +1,95 @@
-"""The client side of a contrafl run on Flower: one partition's local training.
+"""The client side of a contrafl run on Flower: one partition's local training and
+evaluation.
 
-A SuperNode serves the client whose id is its node config's ``partition-id``. For each
-train message it runs what the simulator runs for that client in the same round
-(:meth:`contrafl.engine.simulation.Simulation.train_locally` with the sequential
+A SuperNode serves the client whose id is its node config's ``partition-id``. It reads
+the run's ``config.yaml`` and ``partition.json`` from the run directory and keeps only
+its own rows of the data (:func:`~contrafl.engine.setup.own_rows`). For each train
+message it runs what the simulator runs for that client in the same round
+(:meth:`~contrafl.engine.simulation.Simulation.train_locally` with the sequential
 executor: ``client_begin``, the local steps with the same plans and seeds,
-``client_end``), on the run's config and partition read from the run directory, and
-keeps the client's state (its algorithm state and optimiser state) in a file of its own,
-so that it survives a restart of the SuperNode.
+``client_end``); for each evaluate message, the simulator's personal evaluation
+(:meth:`~contrafl.engine.simulation.Simulation.evaluate_locally`).
+
+The client's state (its algorithm state and optimiser state) lives in files of its own,
+``client-<cid>/round-<t>.pt`` (the state after its training in round ``t``), so that it
+survives a restart of the SuperNode (Flower's ``context.state`` does not). Round ``t``
+starts from the newest state of a round before ``t``. A server that restarts resumes
+from its last checkpoint (round ``c``) and trains rounds ``c, c+1, ...`` again, so each
+train message says ``c`` and the client keeps, besides the state it has just made, the
+newest state of a round before ``c``; states of rounds after the current one belong to
+a run the server abandoned and are removed.
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
 from ..config import load_config
+from ..data.partition import Partition
 from ..engine.checkpoint import load_safe, save_atomic
-from ..engine.setup import prepare
-from ..engine.simulation import Simulation, check_partition
+from ..engine.setup import own_rows, prepare
+from ..engine.simulation import Scores, Simulation
 from ..errors import ContraflError
 
 STATE_DIR = "flower-clients"
+STATE_FILE = re.compile(r"round-(\d+)\.pt")
 
 
 class FlowerClient:
     """Client ``cid`` of the run in ``run_dir`` (its ``config.yaml`` and ``partition.json``).
 
-    The client's data are the rows of its partition; its state lives in
-    ``state_dir/client-<cid>.pt`` (default ``run_dir/flower-clients``)."""
+    The client's data are the rows of its partition of the dataset in ``data_dir``
+    (default: the config's); its states live in ``state_dir/client-<cid>/`` (default
+    ``state_dir``: ``run_dir/flower-clients``)."""
 
-    def __init__(self, run_dir: Path, cid: int, state_dir: Path | None = None) -> None:
+    def __init__(self, run_dir: Path, cid: int, state_dir: Path | None = None, data_dir: Path | None = None) -> None:
         self.run_dir = Path(run_dir)
-        cfg = load_config(self.run_dir / "config.yaml", ["executor=sequential"])
-        setup = prepare(cfg)
-        check_partition(setup, self.run_dir, "start the SuperNodes with the data the run was started with")
+        overrides = ["executor=sequential"] + ([f"data_dir={data_dir}"] if data_dir is not None else [])
+        cfg = load_config(self.run_dir / "config.yaml", overrides)
         if not 0 <= cid < cfg.num_clients:
             raise ContraflError(f"partition-id={cid} is not a client of the run (0..{cfg.num_clients - 1}); set the SuperNode's --node-config partition-id")
         self.cid = cid
-        self.sim = Simulation(setup)
-        self.state_path = Path(state_dir or self.run_dir / STATE_DIR) / f"client-{cid}.pt"
+        self.sim = Simulation(own_rows(prepare(cfg, Partition.load(self.run_dir / "partition.json")), cid))
+        self.state_dir = Path(state_dir or self.run_dir / STATE_DIR) / f"client-{cid}"
 
-    def train(self, round: int, message: dict[str, Any]) -> dict[str, Any]:
-        """Round ``round``'s local training on ``message``: the reply as a tree
-        (``payload``, ``num_samples``, ``loss``, ``steps``); the client's next state is
-        saved before the reply leaves."""
+    def states(self) -> dict[int, Path]:
+        """``{round: file}`` of the client's saved states."""
+        if not self.state_dir.is_dir():
+            return {}
+        found = (STATE_FILE.fullmatch(p.name) for p in self.state_dir.iterdir())
+        return {int(m.group(1)): self.state_dir / m.group(0) for m in found if m}
+
+    def load_state(self, t: int) -> None:
+        """Put the client's state at the start of round ``t`` (its newest state of a round
+        before ``t``, none when it has not trained yet) into the simulation's store."""
+        before = [r for r in self.states() if r < t]
+        if before:
+            path = self.states()[max(before)]
+            self.sim.store.put(self.cid, load_safe(path, f"client {self.cid}'s state", self.sim.device))
+
+    def train(self, t: int, message: dict[str, Any], checkpointed: int) -> dict[str, Any]:
+        """Round ``t``'s local training on ``message``: the reply as a tree (``payload``,
+        ``num_samples``, ``loss``, ``steps``). The client's next state is saved before the
+        reply leaves; it keeps the states a server resuming from its checkpoint of round
+        ``checkpointed`` may need."""
         sim, cid = self.sim, self.cid
-        if self.state_path.is_file():
-            sim.store.put(cid, load_safe(self.state_path, f"client {cid}'s state", sim.device))
-        phases = sim.algorithm.phases(round)
-        outcome = next(iter(sim.train_locally(round, [cid], lambda _: message, phases)))
+        self.load_state(t)
+        outcome = next(iter(sim.train_locally(t, [cid], lambda _: message, sim.algorithm.phases(t))))
         entry = sim.store.get(cid)
         if entry is not None:
-            self.state_path.parent.mkdir(parents=True, exist_ok=True)
-            save_atomic(entry, self.state_path)
+            self.state_dir.mkdir(parents=True, exist_ok=True)
+            save_atomic(entry, self.state_dir / f"round-{t}.pt")
+            older = [r for r in self.states() if r < checkpointed]
+            keep = {t, max(older, default=-1)}
+            for r, path in self.states().items():
+                if r not in keep:
+                    path.unlink()
         reply = outcome.reply
-        return {
-            "payload": reply.payload,
-            "num_samples": reply.num_samples,
-            "loss": outcome.loss,
-            "steps": outcome.steps,
-        }
+        return {"payload": reply.payload, "num_samples": reply.num_samples, "loss": outcome.loss, "steps": outcome.steps}
 
+    def evaluate(self, t: int, message: dict[str, Any]) -> Scores | None:
+        """The client's personal model at the start of round ``t`` on its test data."""
+        self.load_state(t)
+        return next(iter(self.sim.evaluate_locally(t, [self.cid], lambda _: message)))[1]

@@ -13,10 +13,10 @@ import json
 from importlib import resources
 from pathlib import Path
 
-from ..config import Config
+from ..config import Config, load_config
 from ..engine.run_dir import RunDir
-from ..engine.setup import prepare
-from .launch import LocalDeployment, RunResult
+from ..engine.setup import cpu_cores, prepare
+from .launch import LocalDeployment, RunResult, toml_document
 
 APP_DIR = Path(str(resources.files("contrafl.flower") / "app"))
 """contrafl's Flower app directory (the argument of ``flwr run``)."""
@@ -39,12 +39,39 @@ def run_config(path: Path, round_timeout: float, min_replies: int, wait_nodes: f
 
 
 def deploy(
-    cfg: Config, path: Path, *, tls: bool = False, round_timeout: float = 600.0, min_replies: int | None = None,
+    cfg: Config | None, path: Path, *, tls: bool = False, round_timeout: float = 600.0, min_replies: int = 1,
     timeout: float | None = None,
 ) -> RunResult:
     """Run ``cfg`` on a SuperLink and ``num_clients`` SuperNodes on this machine, the
-    Flower processes' homes and logs in ``path/flower``; the run directory is ``path``."""
-    cfg = prepare_run(cfg, path)
-    with LocalDeployment(Path(path) / "flower", cfg.num_clients, tls=tls) as deployment:
-        rc = run_config(path, round_timeout, min_replies if min_replies is not None else 1)
-        return deployment.run(APP_DIR, rc, timeout=timeout)
+    Flower processes' homes and logs in ``path/flower``; the run directory is ``path``.
+    ``cfg=None`` resumes the run already in ``path`` from its last checkpoint."""
+    cfg = prepare_run(cfg, path) if cfg is not None else load_config(Path(path) / "config.yaml")
+    with LocalDeployment(Path(path) / "flower", cfg.num_clients, tls=tls, node_configs=shared_cores(cfg.num_clients)) as deployment:
+        return deployment.run(APP_DIR, run_config(path, round_timeout, min_replies), timeout=timeout)
+
+
+def shared_cores(num_nodes: int) -> list[dict[str, int]]:
+    """Node configs for ``num_nodes`` SuperNodes on this machine: each client's torch
+    gets an equal share of the cores (more threads than cores make every client wait
+    for the others' spinning threads)."""
+    return [{"threads": max(1, cpu_cores() // num_nodes)} for _ in range(num_nodes)]
+
+
+def commands(path: Path, num_clients: int, round_timeout: float = 600.0, min_replies: int = 1) -> str:
+    """How to run the prepared run directory ``path`` on a Flower deployment of one's own
+    (SuperLink and SuperNodes on any machines): the commands, with the app's run config
+    written to ``path/flower-run.toml``."""
+    path = Path(path).resolve()
+    rc = path / "flower-run.toml"
+    rc.write_text(toml_document(run_config(path, round_timeout, min_replies)))
+    last = num_clients - 1
+    return "\n".join([
+        f"The run directory {path} is ready. On the Flower deployment (flwr 1.41, contrafl[flower] installed everywhere):",
+        "  server machine:",
+        "    flower-superlink --insecure --disable-runtime-dependency-installation          # port 8000 (--host 0.0.0.0 to accept other machines)",
+        f"  each client K = 0..{last}, on its machine, with config.yaml and partition.json of the run directory in RUN_DIR and the data in DATA_DIR:",
+        "    flower-supernode --insecure --superlink SERVER:8000 --node-config \"partition-id=K run-dir='RUN_DIR' data-dir='DATA_DIR'\"",
+        "  then, where flwr's config.toml names the SuperLink as CONNECTION:",
+        f"    flwr run {APP_DIR} CONNECTION --stream --run-config {rc}",
+        "(docs/flower.md: TLS, several machines, faults and restarts)",
+    ])

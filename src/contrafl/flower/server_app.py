@@ -14,6 +14,7 @@ from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
 from ..config import load_config
+from ..engine.progress import Progress
 from ..engine.run_dir import RunDir
 from ..engine.setup import prepare
 from ..engine.simulation import resume
@@ -28,7 +29,9 @@ def main(grid: Grid, context: Context) -> None:
     rc = context.run_config
     run_dir = RunDir(Path(str(rc["run-dir"])), resume=True)
     setup = prepare(load_config(run_dir.path / "config.yaml"))
-    sim = resume(setup, run_dir)
-    sim.transport = GridTransport(grid, float(rc["round-timeout"]), int(rc["min-replies"]), float(rc["wait-nodes"]))
+    sim = resume(setup, run_dir, Progress(setup.config.rounds))
+    sim.transport = GridTransport(
+        grid, float(rc["round-timeout"]), int(rc["min-replies"]), float(rc["wait-nodes"]), checkpointed=lambda: sim.checkpointed
+    )
     summary = sim.run()
     print(f"contrafl: {summary['status']} after {summary['rounds_completed']} rounds; results in {run_dir.path}")

@@ -1,0 +1,180 @@
+"""The client side of contrafl on Flower, in one process (no Flower needed).
+
+A stand-in for the Flower grid hands every message to a new
+:class:`~contrafl.flower.client.FlowerClient` (on Flower each message runs in a fresh
+ClientApp process), which reads the run directory, keeps only its own rows of the data
+and its state in files. Runs through it must give the simulator's metrics bit for bit:
+training, the personal evaluation (evaluate messages), a client that was not sampled
+for rounds, and a server that crashes after its clients have moved on and resumes from
+an older checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch.utils import _pytree as pytree
+
+from contrafl.algorithms import ALGORITHMS
+from contrafl.algorithms.base import Reply
+from contrafl.cli import main
+from contrafl.config import load_config
+from contrafl.data.partition import Partition
+from contrafl.engine.run_dir import RunDir
+from contrafl.engine.setup import own_rows, prepare
+from contrafl.engine.simulation import ClientOutcome, Simulation, resume
+from contrafl.errors import DataError
+from contrafl.flower.client import FlowerClient
+from contrafl.flower.deploy import prepare_run
+from test_orchestra import tiny_cifar
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+CLIENTS = 3
+
+
+class FreshClients:
+    """A transport whose every message reaches a new FlowerClient, with the tensors
+    copied (as Flower's serialisation does); ``crash_in``: the round after whose replies
+    the server process dies (KeyboardInterrupt)."""
+
+    def __init__(self, run_dir: Path, sim: Simulation, crash_in: int | None = None) -> None:
+        self.run_dir, self.sim, self.crash_in = run_dir, sim, crash_in
+
+    def train(self, t, cids, message_for, phases):
+        for cid in cids:
+            message = pytree.tree_map_only(torch.Tensor, torch.clone, message_for(cid))
+            tree = FlowerClient(self.run_dir, cid).train(t, message, self.sim.checkpointed)
+            yield ClientOutcome(cid, Reply(cid, tree["num_samples"], tree["payload"]), tree["loss"], tree["steps"])
+        if t == self.crash_in:
+            raise KeyboardInterrupt
+
+    def evaluate(self, t, cids, message_for):
+        for cid in reversed(cids):  # any order: the server sums in client order
+            yield cid, FlowerClient(self.run_dir, cid).evaluate(t, message_for(cid))
+
+
+def settings(algorithm: str, *extra: str) -> list[str]:
+    return [f"algorithm={algorithm}", f"num_clients={CLIENTS}", "rounds=4", "local_epochs=1", "executor=sequential", *extra]
+
+
+def metrics(path: Path) -> list[dict]:
+    return [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
+
+
+def simulator(tmp_path: Path, cfg) -> list[dict]:
+    path = tmp_path / "sim"
+    Simulation(prepare(cfg), RunDir(path)).run()
+    return metrics(path)
+
+
+def flower_run(path: Path, cfg, crash_in: int | None = None) -> Simulation:
+    prepare_run(cfg, path)
+    sim = resume(prepare(load_config(path / "config.yaml")), RunDir(path, resume=True))
+    sim.transport = FreshClients(path, sim, crash_in)
+    sim.run()
+    return sim
+
+
+@pytest.mark.parametrize(
+    "algorithm, extra",
+    [
+        ("fedcrl", ["pool=true", "test_fraction=0.25"]),  # personal layers; local test splits
+        ("moon", ["sample_fraction=0.67", "eval_personal=true"]),  # previous models; unsampled rounds
+        ("scaffold", ["persist_optimizer_state=true", "momentum=0.9", "checkpoint_every=3"]),
+    ],
+)
+def test_fresh_client_processes_give_the_simulators_run(tmp_path, algorithm, extra):
+    cfg = load_config(None, settings(algorithm, *extra))
+    expected = simulator(tmp_path, cfg)
+    flower_run(tmp_path / "flower", cfg)
+    assert metrics(tmp_path / "flower") == expected
+    assert any("personal_acc" in row for row in expected) == (algorithm != "scaffold")
+    states = sorted(p.relative_to(tmp_path / "flower" / "flower-clients").as_posix() for p in (tmp_path / "flower" / "flower-clients").rglob("*.pt"))
+    if algorithm == "scaffold":  # checkpoint of round 3: each client keeps its state of round 2 (0-based) and its newest
+        assert states == [f"client-{c}/round-{r}.pt" for c in range(CLIENTS) for r in (2, 3)]
+
+
+TINY_SSL = ["model.projection_hidden=16", "model.projection_dim=8", "knn_k=5"]
+TINY = {  # what an algorithm needs to run on a tiny federation
+    "orchestra": [*TINY_SSL, "augment=simclr", "algorithm.global_clusters=6", "algorithm.local_clusters=3", "algorithm.memory=8"],
+    "fedsiam_da": ["model.projection_hidden=16", "model.projection_dim=8", "algorithm.predictor_hidden=16"],
+}
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS.names())
+def test_every_algorithm_runs_through_fresh_client_processes(tmp_path, algorithm):
+    """Every algorithm of `contrafl list`, 2 rounds on 3 clients of a tiny CIFAR-10:
+    the clients' own rows, their state files and evaluate messages give the simulator's
+    metrics bit for bit."""
+    cls = ALGORITHMS.get(algorithm)
+    extra = TINY.get(algorithm, [*TINY_SSL, "algorithm.predictor_hidden=16"] if not cls.supervised else [])
+    overrides = ["rounds=2", "batch_size=8", *tiny_cifar(tmp_path, rows=48, test_rows=12), *extra]
+    if cls.supervised:
+        overrides += ["pool=true", "test_fraction=0.25", "eval_personal=true"]
+    cfg = load_config(None, settings(algorithm, *overrides))
+    expected = simulator(tmp_path, cfg)
+    flower_run(tmp_path / "flower", cfg)
+    assert metrics(tmp_path / "flower") == expected
+
+
+def test_a_server_resuming_an_older_checkpoint_finds_the_clients_states_of_that_round(tmp_path):
+    """The server dies in round 4 after its clients trained (their states are of round 4)
+    while its checkpoint is of round 2: the resumed run trains rounds 3 and 4 again from
+    the clients' states of round 2 and ends with the uninterrupted run's metrics."""
+    cfg = load_config(None, settings("moon", "checkpoint_every=2"))
+    expected = simulator(tmp_path, cfg)
+    path = tmp_path / "flower"
+    with pytest.raises(KeyboardInterrupt):
+        flower_run(path, cfg, crash_in=3)
+    assert len(metrics(path)) == 3
+    assert sorted(p.name for p in (path / "flower-clients" / "client-0").iterdir()) == ["round-1.pt", "round-3.pt"]
+    sim = resume(prepare(load_config(path / "config.yaml")), RunDir(path, resume=True))
+    assert sim.rounds_done == 2
+    sim.transport = FreshClients(path, sim)
+    sim.run()
+    assert metrics(path) == expected
+
+
+def test_a_client_keeps_only_its_own_rows(tmp_path):
+    cfg = load_config(None, settings("fedavg", "pool=true", "test_fraction=0.25"))
+    full = prepare(cfg)
+    mine = own_rows(full, 1)
+    train, test = full.partition.train[1], full.partition.test[1]
+    assert len(mine.data.train) == len(train) + len(test)
+    assert torch.equal(mine.data.train.x, full.data.train.x[torch.as_tensor(np.concatenate([train, test]))])
+    assert [len(r) for r in mine.partition.train] == [0, len(train), 0]
+    assert mine.partition.test[1].tolist() == list(range(len(train), len(train) + len(test)))
+    assert Simulation(mine).label_counts[1].tolist() == Simulation(full).label_counts[1].tolist()
+
+
+def test_a_partition_that_does_not_fit_the_data_is_a_one_line_error(tmp_path):
+    cfg = load_config(None, settings("fedavg"))
+    partition = prepare(cfg).partition
+    with pytest.raises(DataError, match="has 3 clients but num_clients=4"):
+        prepare(load_config(None, settings("fedavg", "num_clients=4")), partition)
+    too_far = Partition(partition.method, partition.options, partition.seed, [*partition.train[:2], np.array([10**6])])
+    with pytest.raises(DataError, match="indexes training sample 1000000 but the data have"):
+        prepare(cfg, too_far)
+
+
+def test_deploy_prepare_only_writes_the_run_directory_and_prints_the_commands(tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(["deploy", "--prepare-only", "--round-timeout", "90", "--out", str(run), "algorithm=moon", "num_clients=3"]) == 0
+    out = capsys.readouterr().out
+    assert "each client K = 0..2" in out and "partition-id=K run-dir='RUN_DIR'" in out and f"--run-config {run.resolve()}/flower-run.toml" in out
+    rc = tomllib.loads((run / "flower-run.toml").read_text())
+    assert rc == {"run-dir": str(run.resolve()), "round-timeout": 90.0, "min-replies": 1, "wait-nodes": 120.0}
+    assert Partition.load(run / "partition.json").to_json() == prepare(load_config(run / "config.yaml")).partition.to_json()
+
+
+def test_deploy_resume_needs_a_run_directory_alone(tmp_path, capsys):
+    assert main(["deploy", "--resume", str(tmp_path)]) == 2
+    assert "no config.yaml there" in capsys.readouterr().err
+    assert main(["deploy", "--resume", str(tmp_path), "rounds=3"]) == 2
+    assert "takes no config, KEY=VALUE" in capsys.readouterr().err
