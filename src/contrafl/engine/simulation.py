@@ -108,9 +108,10 @@ Scores = dict[str, float]
 
 
 class Transport(Protocol):
-    """How the server reaches its clients when they are not in its process (in-process,
-    :meth:`Simulation.train_locally` and :meth:`Simulation.evaluate_locally`): over a
-    Flower grid, :class:`contrafl.flower.server.GridTransport`."""
+    """How the server reaches clients that are not in its process, e.g. over a Flower
+    grid (:class:`contrafl.flower.server.GridTransport`). Without one, a
+    :class:`Simulation` trains and evaluates its clients itself
+    (:meth:`Simulation.train_locally`, :meth:`Simulation.evaluate_locally`)."""
 
     def train(
         self, t: int, cids: list[int], message_for: Callable[[int], dict[str, Any]], phases: list[Phase]
