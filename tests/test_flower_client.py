@@ -178,3 +178,11 @@ def test_deploy_resume_needs_a_run_directory_alone(tmp_path, capsys):
     assert "no config.yaml there" in capsys.readouterr().err
     assert main(["deploy", "--resume", str(tmp_path), "rounds=3"]) == 2
     assert "takes no config, KEY=VALUE" in capsys.readouterr().err
+
+
+def test_deploy_checks_its_options_before_starting_anything(tmp_path, capsys):
+    assert main(["deploy", "--min-replies", "4", "--out", str(tmp_path / "run"), "algorithm=fedavg", "num_clients=3"]) == 2
+    assert "min_replies=4 must be between 0 and num_clients=3" in capsys.readouterr().err
+    assert main(["deploy", "--round-timeout", "0", "--out", str(tmp_path / "run"), "algorithm=fedavg", "num_clients=3"]) == 2
+    assert "round_timeout=0 must be positive" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()

@@ -204,7 +204,7 @@ def cmd_deploy(ns: argparse.Namespace) -> int:
         return 0
     print(f"contrafl {__version__}: {shown.algorithm.name} on a local Flower deployment of {shown.num_clients} SuperNodes"
           f"{' (TLS)' if ns.tls else ''}; run directory: {path}, Flower logs: {path / 'flower' / 'logs'}")
-    result = deploy(cfg, path, tls=ns.tls, round_timeout=ns.round_timeout, min_replies=ns.min_replies)
+    result = deploy(cfg, path, tls=ns.tls, round_timeout=ns.round_timeout, min_replies=ns.min_replies, echo=sys.stdout)
     print(f"Flower run {result.run_id}: {result.status} in {result.seconds:.1f}s; results in {path}")
     return 0
 

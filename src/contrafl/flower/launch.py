@@ -53,6 +53,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
+from typing import TextIO
 
 from contrafl.errors import ConfigError, ContraflError
 
@@ -314,6 +315,26 @@ def _terminate(processes: list[_Process], grace: float, sig: int = signal.SIGTER
 
 
 # --------------------------------------------------------------------------- deployment
+
+
+def _wait(proc: subprocess.Popen, timeout: float | None, log_path: Path, echo: TextIO | None) -> int:
+    """``proc.wait(timeout)``, copying what ``proc`` writes to ``log_path`` to ``echo`` as
+    it comes."""
+    if echo is None:
+        return proc.wait(timeout)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    with log_path.open(errors="replace") as follow:
+        while True:
+            try:
+                returncode: int | None = proc.wait(0.2)
+            except subprocess.TimeoutExpired:
+                returncode = None
+            echo.write(follow.read())
+            echo.flush()
+            if returncode is not None:
+                return returncode
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(proc.args, timeout or 0.0)
 
 
 class LocalDeployment:
@@ -648,12 +669,14 @@ class LocalDeployment:
         app_dir: Path,
         run_config: Mapping[str, ConfigValue] | None = None,
         timeout: float | None = None,
+        echo: TextIO | None = None,
     ) -> RunResult:
         """Run the Flower app in ``app_dir`` with ``flwr run --stream`` and wait until it
         finishes.
 
         ``run_config`` overrides keys of the app's ``[tool.flwr.app.config]`` (flwr rejects
-        other keys). The streamed ServerApp output goes to ``workdir/logs/run-<n>.log``.
+        other keys). The streamed ServerApp output goes to ``workdir/logs/run-<n>.log``,
+        and also to ``echo`` as it comes when given.
         Raises :class:`FlowerLaunchError` if ``flwr run`` fails, if the run does not finish
         as ``finished:completed`` or if it takes longer than ``timeout`` seconds (then the
         run is stopped on the SuperLink).
@@ -674,7 +697,7 @@ class LocalDeployment:
                 stdin=subprocess.DEVNULL, start_new_session=True,
             )
             try:
-                returncode = proc.wait(timeout)
+                returncode = _wait(proc, timeout, log_path, echo)
             except subprocess.TimeoutExpired:
                 _signal(proc.pid, signal.SIGKILL, group=True)
                 proc.wait()
