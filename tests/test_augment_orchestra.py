@@ -25,15 +25,7 @@ from contrafl.data.augment import (
     Views,
     view_transform,
 )
-
-MEAN = (0.4914, 0.4822, 0.4465)
-STD = (0.2470, 0.2435, 0.2616)
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-
-
-def images(n: int, c: int = 3, h: int = 32, w: int = 32, seed: int = 0) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 256, (n, c, h, w), dtype=torch.uint8, generator=generator)
+from test_augment import DEVICES, MEAN, STD, images
 
 
 def whole_image(n: int) -> dict[str, torch.Tensor]:

@@ -23,17 +23,10 @@ from contrafl.data.augment import (
     view_transform,
 )
 from contrafl.data.augment import _rgb_to_hsv
+from test_augment import DEVICES, MEAN, STD, images
 
-MEAN = (0.4914, 0.4822, 0.4465)
-STD = (0.2470, 0.2435, 0.2616)
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 LUMA = (0.2989, 0.587, 0.114)
 INTERPOLATE_ATOL = 1e-6  # float32 [0, 1] pixels; gathers + lerp vs F.interpolate's own rounding
-
-
-def images(n: int, c: int = 3, h: int = 32, w: int = 32, seed: int = 0) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 256, (n, c, h, w), dtype=torch.uint8, generator=generator)
 
 
 def ref_box(op: RandomResizedCrop, h: int, w: int, params: dict[str, torch.Tensor], b: int):
