@@ -190,21 +190,23 @@ def cmd_deploy(ns: argparse.Namespace) -> int:
     if ns.resume:
         if ns.args or ns.out or ns.prepare_only:
             raise ConfigError("contrafl deploy --resume RUN_DIR takes no config, KEY=VALUE, --out or --prepare-only: the run keeps its own config.yaml")
-        path, cfg = Path(ns.resume), None
+        path = Path(ns.resume)
         if not (path / "config.yaml").is_file():
             raise ConfigError(f"--resume {path}: no config.yaml there; give the directory of a run started with contrafl deploy")
-        shown = load_config(path / "config.yaml")
+        cfg = load_config(path / "config.yaml")
     else:
         config_path, overrides = _split_run_args(ns.args)
-        cfg = shown = load_config(config_path, overrides)
+        cfg = load_config(config_path, overrides)
         path = Path(ns.out) if ns.out else default_run_dir(cfg.algorithm.name, cfg.dataset.name)
     if ns.prepare_only:
         cfg = prepare_run(cfg, path)
         print(commands(path, cfg.num_clients, ns.round_timeout, ns.min_replies))
         return 0
-    print(f"contrafl {__version__}: {shown.algorithm.name} on a local Flower deployment of {shown.num_clients} SuperNodes"
+    print(f"contrafl {__version__}: {cfg.algorithm.name} on a local Flower deployment of {cfg.num_clients} SuperNodes"
           f"{' (TLS)' if ns.tls else ''}; run directory: {path}, Flower logs: {path / 'flower' / 'logs'}")
-    result = deploy(cfg, path, tls=ns.tls, round_timeout=ns.round_timeout, min_replies=ns.min_replies, echo=sys.stdout)
+    result = deploy(
+        cfg, path, resume=bool(ns.resume), tls=ns.tls, round_timeout=ns.round_timeout, min_replies=ns.min_replies, echo=sys.stdout
+    )
     print(f"Flower run {result.run_id}: {result.status} in {result.seconds:.1f}s; results in {path}")
     return 0
 

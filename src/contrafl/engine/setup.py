@@ -263,11 +263,11 @@ def own_rows(setup: Setup, cid: int) -> Setup:
     full setup (:func:`~contrafl.engine.plan.make_plan` draws positions in the client's
     row list, not row numbers); the algorithm keeps the federation it was built with."""
     part = setup.partition
+    empty = np.zeros(0, dtype=np.int64)
     train = part.train[cid]
-    test = part.test[cid] if part.test is not None else np.zeros(0, dtype=np.int64)
+    test = part.test[cid] if part.test is not None else empty
     rows = torch.as_tensor(np.concatenate([train, test]), dtype=torch.long)
     data = dataclasses.replace(setup.data, train=ArrayDataset(setup.data.train.x[rows], setup.data.train.y[rows]))
-    empty = np.zeros(0, dtype=np.int64)
 
     def only(own: np.ndarray) -> list[np.ndarray]:
         return [own if c == cid else empty for c in range(part.num_clients)]

@@ -64,10 +64,10 @@ class FlowerClient:
     def load_state(self, t: int) -> None:
         """Put the client's state at the start of round ``t`` (its newest state of a round
         before ``t``, none when it has not trained yet) into the simulation's store."""
-        before = [r for r in self.states() if r < t]
+        states = self.states()
+        before = [r for r in states if r < t]
         if before:
-            path = self.states()[max(before)]
-            self.sim.store.put(self.cid, load_safe(path, f"client {self.cid}'s state", self.sim.device))
+            self.sim.store.put(self.cid, load_safe(states[max(before)], f"client {self.cid}'s state", self.sim.device))
 
     def train(self, t: int, message: dict[str, Any], checkpointed: int) -> dict[str, Any]:
         """Round ``t``'s local training on ``message``: the reply as a tree (``payload``,
@@ -81,9 +81,9 @@ class FlowerClient:
         if entry is not None:
             self.state_dir.mkdir(parents=True, exist_ok=True)
             save_atomic(entry, self.state_dir / f"round-{t}.pt")
-            older = [r for r in self.states() if r < checkpointed]
-            keep = {t, max(older, default=-1)}
-            for r, path in self.states().items():
+            states = self.states()
+            keep = {t, max((r for r in states if r < checkpointed), default=-1)}
+            for r, path in states.items():
                 if r not in keep:
                     path.unlink()
         reply = outcome.reply

@@ -14,7 +14,7 @@ from importlib import resources
 from pathlib import Path
 from typing import TextIO
 
-from ..config import Config, load_config
+from ..config import Config
 from ..errors import ConfigError
 from ..engine.run_dir import RunDir
 from ..engine.setup import cpu_cores, prepare
@@ -41,19 +41,20 @@ def run_config(path: Path, round_timeout: float, min_replies: int, wait_nodes: f
 
 
 def deploy(
-    cfg: Config | None, path: Path, *, tls: bool = False, round_timeout: float = 600.0, min_replies: int = 1,
-    timeout: float | None = None, echo: TextIO | None = None,
+    cfg: Config, path: Path, *, resume: bool = False, tls: bool = False, round_timeout: float = 600.0,
+    min_replies: int = 1, timeout: float | None = None, echo: TextIO | None = None,
 ) -> RunResult:
     """Run ``cfg`` on a SuperLink and ``num_clients`` SuperNodes on this machine, the
     Flower processes' homes and logs in ``path/flower``; the run directory is ``path``.
-    ``cfg=None`` resumes the run already in ``path`` from its last checkpoint. The
-    server's output (its progress) also goes to ``echo`` when given."""
-    shown = cfg if cfg is not None else load_config(Path(path) / "config.yaml")
+    ``resume``: the run is already in ``path`` (``cfg`` is its ``config.yaml``) and
+    continues from its last checkpoint. The server's output (its progress) also goes to
+    ``echo`` when given."""
     if not 0 < round_timeout:
         raise ConfigError(f"round_timeout={round_timeout:g} must be positive (seconds a round waits for replies)")
-    if not 0 <= min_replies <= shown.num_clients:
-        raise ConfigError(f"min_replies={min_replies} must be between 0 and num_clients={shown.num_clients}")
-    cfg = prepare_run(cfg, path) if cfg is not None else shown
+    if not 0 <= min_replies <= cfg.num_clients:
+        raise ConfigError(f"min_replies={min_replies} must be between 0 and num_clients={cfg.num_clients}")
+    if not resume:
+        cfg = prepare_run(cfg, path)
     with LocalDeployment(Path(path) / "flower", cfg.num_clients, tls=tls, node_configs=shared_cores(cfg.num_clients)) as deployment:
         return deployment.run(APP_DIR, run_config(path, round_timeout, min_replies), timeout=timeout, echo=echo)
 
