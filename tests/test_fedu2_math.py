@@ -1,6 +1,7 @@
-"""FedU2's math: the UOT uniformity regularizer (optimality, POT, vmap, collapse), the official
-tangent sliced-Wasserstein variant (hand-checked values), and EUA's aggregation weights
-(simplex, symmetry, ADMM vs. min-norm vs. exact solutions)."""
+"""FedU2's math: the UOT uniformity regularizer (optimality of both plan solvers, POT, vmap,
+collapse), the official tangent sliced-Wasserstein variant (hand-checked values), and EUA's
+aggregation weights (simplex, symmetry, active set vs. ADMM vs. min-norm vs. exact solutions).
+Convergence at the paper's sizes and exactness on boundary optima: test_fedu2_solvers.py."""
 
 import itertools
 import math
@@ -17,6 +18,7 @@ from contrafl.algorithms.eua import (
     directions,
     eua_direction,
     sharpen,
+    simplex_weights_active_set,
     simplex_weights_admm,
     simplex_weights_min_norm,
 )
@@ -25,6 +27,7 @@ from contrafl.algorithms.uniformity import (
     tangent_sliced_wasserstein,
     uot_objective,
     uot_plan,
+    uot_plan_steepest_descent,
     uot_uniformity,
 )
 
@@ -54,18 +57,26 @@ def uot_gradient(cost, pi, a, b, tau_a, tau_b):
 # UOT (paper FUR)
 
 
+SOLVERS = {  # solver at the iterations the tests use, and its KKT tolerance on small problems
+    "interior_point": (uot_plan, 25, 1e-12),  # the defaults; measured <= 5e-16
+    # measured <= 2e-10 after 400 steps; with the paper's full-gradient step size instead of
+    # the projected one: up to 1e-4
+    "steepest_descent": (uot_plan_steepest_descent, 400, 1e-8),
+}
+
+
+@pytest.mark.parametrize("solver", sorted(SOLVERS))
 @pytest.mark.parametrize("seed", range(6))
-def test_uot_plan_satisfies_kkt(seed):
-    """KKT of min_{pi >= 0}: pi >= 0, gradient >= 0 where pi = 0 and = 0 where pi > 0.
-    Tolerance 1e-8 after 400 steps (measured <= 2e-10; with the paper's full-gradient step
-    size instead of the projected one: up to 1e-4)."""
+def test_uot_plan_satisfies_kkt(seed, solver):
+    """KKT of min_{pi >= 0}: pi >= 0, gradient >= 0 where pi = 0 and = 0 where pi > 0."""
+    plan, iterations, tol = SOLVERS[solver]
     cost, a, b, tau_a, tau_b = small_uot_problem(seed)
-    pi = uot_plan(cost, a, b, tau_a, tau_b, iterations=400)
+    pi = plan(cost, a, b, tau_a, tau_b, iterations)
     G = uot_gradient(cost, pi, a, b, tau_a, tau_b)
     assert (pi >= 0).all()
     assert (pi > 0).any() and (pi == 0).any()  # a problem with both active and inactive entries
-    assert G[pi == 0].min() >= -1e-8
-    assert G[pi > 0].abs().max() <= 1e-8
+    assert G[pi == 0].min() >= -tol
+    assert G[pi > 0].abs().max() <= tol
 
 
 def test_first_step_is_eq6_with_the_kronecker_form_of_eq5():
@@ -81,7 +92,7 @@ def test_first_step_is_eq6_with_the_kronecker_form_of_eq5():
     vec = torch.outer(a, b).reshape(-1)
     g = Q @ vec + w
     expected = (vec - (g @ g) / (g @ Q @ g) * g).clamp_min(0).reshape(4, 3)
-    torch.testing.assert_close(uot_plan(cost, a, b, tau_a, tau_b, iterations=1), expected, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(uot_plan_steepest_descent(cost, a, b, tau_a, tau_b, 1), expected, rtol=1e-12, atol=1e-14)
     # eq 5 is eq 4 up to the constant Omega = (tau_a a^T a + tau_b b^T b)/2
     pi = torch.rand(4, 3, dtype=F64)
     quadratic = 0.5 * pi.reshape(-1) @ Q @ pi.reshape(-1) + w @ pi.reshape(-1) + 0.5 * (tau_a * a @ a + tau_b * b @ b)
@@ -89,13 +100,16 @@ def test_first_step_is_eq6_with_the_kronecker_form_of_eq5():
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # scipy's L-BFGS-B 'disp', passed by POT
+@pytest.mark.parametrize("solver", sorted(SOLVERS))
 @pytest.mark.parametrize("seed", range(6))
-def test_uot_plan_matches_pot(seed):
+def test_uot_plan_matches_pot(seed, solver):
     """POT solves the same problem: its div='l2' is the *half* squared l2 divergence, so
     reg_m = (tau_a, tau_b) gives exactly tau/2 ||.||^2 (eq 4). mm_unbalanced (reg=0) agrees to
-    1e-9 (measured ~1e-12), lbfgsb_unbalanced (regm_div='l2') to 1e-6 (measured ~1e-7)."""
+    1e-9 (measured ~1e-12 for both solvers; steepest descent after 2000 steps),
+    lbfgsb_unbalanced (regm_div='l2') to 1e-6 (measured ~1e-7)."""
+    plan, iterations, _ = SOLVERS[solver]
     cost, a, b, tau_a, tau_b = small_uot_problem(seed)
-    pi = uot_plan(cost, a, b, tau_a, tau_b, iterations=2000).numpy()
+    pi = plan(cost, a, b, tau_a, tau_b, max(iterations, 2000) if solver == "steepest_descent" else iterations).numpy()
     args = (a.numpy(), b.numpy(), cost.numpy())
     mm = ot.unbalanced.mm_unbalanced(*args, reg_m=(tau_a, tau_b), div="l2", numItermax=100_000, stopThr=1e-15)
     lbfgs = ot.unbalanced.lbfgsb_unbalanced(*args, reg=0, reg_m=(tau_a, tau_b), regm_div="l2",
@@ -107,26 +121,33 @@ def test_uot_plan_matches_pot(seed):
     assert ours == pytest.approx(theirs, rel=1e-12, abs=1e-12)
 
 
-def test_uot_plan_batched_vmap_and_loop_agree():
+@pytest.mark.parametrize("solver", sorted(SOLVERS))
+def test_uot_plan_batched_vmap_and_loop_agree(solver):
+    """Steepest descent agrees to rounding; the interior-point method too here, where its
+    final Newton steps land every problem on its optimum (where they do not, a batch and a
+    loop agree only to the solver's accuracy: rounding differs and its late iterations
+    amplify it)."""
+    plan, iterations, _ = SOLVERS[solver]
     problems = [small_uot_problem(seed) for seed in range(4)]
     cost = torch.stack([p[0] for p in problems])
     a = torch.stack([p[1] for p in problems])
     b = torch.stack([p[2] for p in problems])
     tau_a, tau_b = problems[0][3], problems[0][4]
-    loop = torch.stack([uot_plan(cost[k], a[k], b[k], tau_a, tau_b, 100) for k in range(4)])
-    batched = uot_plan(cost, a, b, tau_a, tau_b, 100)
-    vmapped = vmap(lambda c, a_, b_: uot_plan(c, a_, b_, tau_a, tau_b, 100))(cost, a, b)
+    loop = torch.stack([plan(cost[k], a[k], b[k], tau_a, tau_b, iterations) for k in range(4)])
+    batched = plan(cost, a, b, tau_a, tau_b, iterations)
+    vmapped = vmap(lambda c, a_, b_: plan(c, a_, b_, tau_a, tau_b, iterations))(cost, a, b)
     torch.testing.assert_close(batched, loop, rtol=0, atol=1e-14)
     torch.testing.assert_close(vmapped, loop, rtol=0, atol=1e-14)
 
 
-def test_uot_uniformity_value_and_gradient_under_vmap_equal_the_loop():
+@pytest.mark.parametrize("solver", sorted(SOLVERS))
+def test_uot_uniformity_value_and_gradient_under_vmap_equal_the_loop(solver):
     g = torch.Generator().manual_seed(0)
     z = torch.randn(3, 16, 8, generator=g, dtype=F64)
     s = sphere_samples(z, g)
 
     def loss(z_, s_):
-        return uot_uniformity(z_, s_, point_mass=2.0)
+        return uot_uniformity(z_, s_, point_mass=2.0, solver=solver)
 
     values = vmap(loss)(z, s)
     grads = vmap(grad(loss))(z, s)
@@ -139,17 +160,19 @@ def test_uot_uniformity_value_and_gradient_under_vmap_equal_the_loop():
     assert grads.abs().max() > 1e-3
 
 
-def test_uot_uniformity_is_the_objective_at_the_plan_and_differentiates_through_the_cost_only():
+@pytest.mark.parametrize("solver", sorted(SOLVERS))
+def test_uot_uniformity_is_the_objective_at_the_plan_and_differentiates_through_the_cost_only(solver):
+    plan, iterations, _ = SOLVERS[solver]
     g = torch.Generator().manual_seed(1)
     z = torch.randn(12, 6, generator=g, dtype=F64, requires_grad=True)
     s = sphere_samples(z.detach(), g)
-    value = uot_uniformity(z, s, tau_a=0.8, tau_b=0.8, iterations=200, point_mass=1.5)
+    value = uot_uniformity(z, s, tau_a=0.8, tau_b=0.8, iterations=iterations, point_mass=1.5, solver=solver)
     (gz,) = torch.autograd.grad(value, z)
 
     zn = F.normalize(z, dim=-1)
     cost = ((zn[:, None, :] - s[None, :, :]) ** 2).sum(-1)
     mass = torch.full((12,), 1.5, dtype=F64)
-    pi = uot_plan(cost, mass, mass, 0.8, 0.8, 200)
+    pi = plan(cost, mass, mass, 0.8, 0.8, iterations)
     assert (pi > 0).any()
     assert value.item() == pytest.approx(uot_objective(cost, pi, mass, mass, 0.8, 0.8).item(), rel=1e-12)
     (expected,) = torch.autograd.grad((cost * pi).sum(), z)  # envelope: pi held fixed
@@ -336,12 +359,13 @@ def test_weights_lie_on_the_simplex(seed):
     for kind in ("log_distance", "normalized"):
         D = directions(global_vec, clients, kind)
         G = D @ D.T
-        for p in (simplex_weights_admm(G), simplex_weights_min_norm(G, sharpen(torch.rand(7, dtype=F64) + 0.1, 0.5))):
+        start = sharpen(torch.rand(7, dtype=F64) + 0.1, 0.5)
+        for p in (simplex_weights_active_set(G), simplex_weights_admm(G), simplex_weights_min_norm(G, start)):
             assert (p >= 0).all()
             assert p.sum().item() == pytest.approx(1.0, abs=1e-12)
 
 
-@pytest.mark.parametrize("variant", ["paper", "official"])
+@pytest.mark.parametrize("variant", ["paper", "paper_closed_form", "official"])
 def test_symmetric_clients_get_equal_weights(variant):
     """Swapping the first two coordinates swaps clients 1 and 2 (equal distance to the global
     model) and fixes client 3, so p_1 = p_2."""
@@ -350,7 +374,8 @@ def test_symmetric_clients_get_equal_weights(variant):
     _, p = eua_direction(global_vec, clients, variant)
     assert p[0].item() == pytest.approx(p[1].item(), abs=1e-9)
     assert (p > 0.05).all()
-    # two identical clients: G is singular; the pseudo-inverse splits equally (paper), min-norm too
+    # two identical clients: G is singular; the active set solves for their common point once
+    # and splits its weight (paper), the pseudo-inverse splits equally (closed form), min-norm too
     _, p = eua_direction(global_vec, [clients[0], clients[0], clients[2]], variant)
     assert p[0].item() == pytest.approx(p[1].item(), abs=1e-9)
 
@@ -370,12 +395,14 @@ def interior_problems():
     raise AssertionError("no interior problems")
 
 
-def test_admm_and_min_norm_agree_with_the_exact_solution_on_interior_problems():
-    """Tolerance 1e-5 on the weights (measured: ADMM ~1e-15, min-norm <= 5e-6, bounded by its
-    stopping rule sum |change| < 1e-5)."""
+def test_active_set_admm_and_min_norm_agree_with_the_exact_solution_on_interior_problems():
+    """Tolerance 1e-5 on the weights (measured: active set and ADMM ~1e-15, min-norm <= 5e-6,
+    bounded by its stopping rule sum |change| < 1e-5); the active set to 1e-12. Boundary
+    optima: test_fedu2_solvers.py."""
     for G, f, p in interior_problems():
         G = torch.from_numpy(G)
         K = len(G)
+        np.testing.assert_allclose(simplex_weights_active_set(G).numpy(), p, atol=1e-12)
         p_admm = simplex_weights_admm(G, eta_g=1.0, phi=0.1, rho=1.0, iterations=100)
         p_min_norm = simplex_weights_min_norm(G, torch.full((K,), 1.0 / K, dtype=F64))
         np.testing.assert_allclose(p_admm.numpy(), p, atol=1e-5)
@@ -405,25 +432,26 @@ def test_line_search_branches_are_the_official_ones():
 
 def test_admm_is_the_clipped_affine_minimiser():
     """Eq 12's p-step keeps its matrix, so the result is max(0, x)/sum with x = H^+ 1,
-    H = (eta_g^2/phi) G + rho 1 1^T: for boundary optima this is not the simplex optimum."""
+    H = (eta_g^2/phi) G + rho 1 1^T, while rho 1^T max(0, x) < 2 (the other regime:
+    test_fedu2_solvers.py): for boundary optima this is not the simplex optimum."""
     global_vec, clients = random_clients(11, K=8, shared=2.0)
     D = directions(global_vec, clients, "log_distance")
     G = D @ D.T
     H = 10.0 * G + torch.ones(8, 8, dtype=F64)
     x = torch.linalg.pinv(H, hermitian=True) @ torch.ones(8, dtype=F64)
-    assert (x < 0).any()  # a boundary problem: the clipping matters
+    assert (x < 0).any() and x.clamp_min(0).sum() < 2  # a boundary problem: the clipping matters
     torch.testing.assert_close(simplex_weights_admm(G, 1.0, 0.1, 1.0, 100), x.clamp_min(0) / x.clamp_min(0).sum())
 
 
 def test_eua_direction_formulas_and_degenerate_clients():
     global_vec, clients = random_clients(5, K=4, shared=1.0)
     clients.append(global_vec.clone())  # took no step: zero distance
-    for variant, kind in (("paper", "log_distance"), ("official", "normalized")):
+    for variant, kind in (("paper", "log_distance"), ("paper_closed_form", "log_distance"), ("official", "normalized")):
         d, p = eua_direction(global_vec, clients, variant, eta_g=0.5, phi=0.1)
         assert torch.isfinite(d).all() and torch.isfinite(p).all()
         assert p[4] == 0 and p.sum().item() == pytest.approx(1.0, abs=1e-12)
         D = directions(global_vec, clients, kind)
-        scale = 0.5 / 0.1 if variant == "paper" else 1.0
+        scale = 1.0 if variant == "official" else 0.5 / 0.1
         torch.testing.assert_close(d, scale * (p @ D))
     d, p = eua_direction(global_vec, [global_vec.clone()] * 3, "paper")
     assert (d == 0).all() and (p == 0).all()

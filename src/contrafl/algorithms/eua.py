@@ -7,8 +7,12 @@ for the direction ``d`` that maximises the worst rate of change of ``log u_k`` (
     p* = argmin_{p in simplex} (eta_g^2 / 2 phi) p^T G p,   G_kl = <g_k, g_l>,
     g_k = grad_{theta_g} log u_k = 2 (theta_g - theta_k) / ||theta_g - theta_k||^2
 
-solved by ADMM (eqs 11-12, :func:`simplex_weights_admm`), and ``d* = (eta_g / phi) sum_k p_k g_k``
-(after eq 9); the model that was sent this round moves to ``theta_g - eta d*``.
+and ``d* = (eta_g / phi) sum_k p_k g_k`` (after eq 9); the model that was sent this round moves
+to ``theta_g - eta d*``. The paper solves the QP by the method of multipliers on its augmented
+Lagrangian (eqs 11-12); minimised over ``p >= 0``, that method's p-step is already a multiple of
+``p*``, which :func:`simplex_weights_active_set` computes exactly (``eua=paper``). The printed
+closed-form p-step (:func:`simplex_weights_admm`, ``eua=paper_closed_form``) is not ``p*`` when
+the optimum is on the boundary of the simplex, and can diverge.
 
 Official code (XeniaLLL/FedU2 src/my/algo/commons/mtl.py lines 84-85 and 139-146): the same QP
 on the unit directions scaled by 2, ``d_k = 2 (theta_g - theta_k) / ||theta_g - theta_k||``,
@@ -32,6 +36,8 @@ from typing import Literal
 import torch
 
 DirectionKind = Literal["log_distance", "normalized"]
+
+EUAVariant = Literal["paper", "paper_closed_form", "official"]
 
 MIN_NORM_STOP = 1e-5
 """The official solver's ``STOP_CRIT``: stop when ``sum_k |p_k^new - p_k| < 1e-5``."""
@@ -58,29 +64,116 @@ def directions(global_vec: torch.Tensor, client_vecs: Sequence[torch.Tensor], ki
     return out.mul_((2.0 / torch.where(sq > 0, norm, 1.0)).unsqueeze(1))
 
 
+def _nonnegative_quadratic_minimum(H: torch.Tensor) -> torch.Tensor:
+    """``x = argmin_{x >= 0} 1/2 x^T H x - 1^T x`` for a positive semi-definite ``H`` ``[K, K]``
+    (float64, CPU) by Lawson and Hanson's active-set method for non-negative least squares,
+    in its normal-equation form (Bro and de Jong's FNNLS)::
+
+        P = {}, x = 0
+        while some j not in P has w_j = (1 - H x)_j > tol:     # the KKT condition it violates
+            add the j of largest w_j to P
+            loop: s = H_PP^{-1} 1 on P, 0 elsewhere
+                  if s_P > 0: break
+                  x <- x + alpha (s - x), alpha the largest step keeping x >= 0; the entry of
+                  P that reaches 0 (and any other <= 0) leaves P
+            x = s
+
+    At the end ``x >= 0`` and ``1 - H x`` is 0 on ``P`` and ``<= tol`` elsewhere: the KKT
+    conditions, so ``x`` is optimal. Finite in exact arithmetic (the objective decreases at
+    every addition and no set ``P`` repeats); ``tol = 10 K eps max_j sum_i |H_ij|`` as scipy's
+    ``nnls``. Raises if it makes more than ``3 K`` additions (scipy's cap: cycling through
+    rounding; not seen in the tests)."""
+    K = H.shape[0]
+    tol = 10 * K * torch.finfo(H.dtype).eps * H.abs().sum(0).max().item()
+    ones = torch.ones(K, dtype=H.dtype)
+    passive = torch.zeros(K, dtype=torch.bool)
+    x = torch.zeros(K, dtype=H.dtype)
+    for _ in range(3 * K):
+        w = ones - H @ x
+        candidates = ~passive & (w > tol)
+        if not candidates.any():
+            return x
+        passive[torch.where(candidates, w, -torch.inf).argmax()] = True
+        while True:
+            s = torch.zeros_like(x)
+            s[passive] = torch.linalg.solve(H[passive][:, passive], ones[passive])
+            if (s[passive] > 0).all():
+                break
+            blocking = passive & (s <= 0)  # x - s >= 0 there; 0 only if x = s = 0 (then ratio 0)
+            ratios = torch.where(blocking, x / (x - s).clamp_min(torch.finfo(x.dtype).tiny), torch.inf)
+            leaving = ratios.argmin()
+            x = x + ratios[leaving] * (s - x)
+            x[leaving] = 0.0
+            passive &= x > 0
+        x = s
+    raise RuntimeError(f"the active-set method made more than {3 * K} additions (K = {K})")
+
+
+def simplex_weights_active_set(G: torch.Tensor) -> torch.Tensor:
+    """The exact weights ``p* = argmin_{p in simplex} p^T G p`` ``[K]`` (eq 10; the factor
+    ``eta_g^2 / 2 phi`` does not move the minimiser) for a Gram matrix ``G`` ``[K, K]``.
+
+    The paper's method of multipliers (eqs 11-12) alternates a p-step on the augmented
+    Lagrangian ``(eta_g^2 / 2 phi) p^T G p + mu (1^T p - 1) + rho/2 (1^T p - 1)^2`` over
+    ``p >= 0`` and ``mu <- mu + rho (1^T p - 1)``. Writing ``p = s q`` (``s = 1^T p``, ``q`` in the
+    simplex), the p-step's objective is ``(eta_g^2 / 2 phi) s^2 q^T G q`` plus terms in ``s``
+    alone, so for ``mu < rho`` its minimiser over ``p >= 0`` is ``s* p*``: every renormalised
+    iterate is ``p*``, and one p-step at ``mu = 0`` suffices. With ``G`` scaled by its largest
+    diagonal entry ``g`` (which does not move ``p*``) that p-step is::
+
+        x = argmin_{x >= 0} 1/2 x^T (G / g + 1 1^T) x - 1^T x,     p* = x / 1^T x
+
+    solved exactly by an active-set method (:func:`_nonnegative_quadratic_minimum`; the
+    matrix is ``A^T A`` for the columns ``A_k = (v_k / sqrt(g), 1)``, so this is Wolfe's
+    nearest-point problem as non-negative least squares). The printed p-step instead clips the
+    unconstrained minimiser (:func:`simplex_weights_admm`), which is not ``p*`` when the
+    optimum is on the boundary.
+
+    Identical clients (equal rows of ``G``, the same direction) are one point of the convex
+    hull, solved once; their weight is split equally between them (every split is optimal).
+    Computed in float64 on the CPU, returned on ``G``'s device.
+    """
+    device, G = G.device, G.detach().to(torch.float64).cpu()
+    K = G.shape[0]
+    groups, group, counts = torch.unique(G, dim=0, return_inverse=True, return_counts=True)
+    first = torch.full((len(groups),), K).scatter_reduce(0, group, torch.arange(K), "amin")
+    Gu = G[first][:, first]
+    x = _nonnegative_quadratic_minimum(Gu / Gu.diagonal().max().clamp_min(torch.finfo(G.dtype).tiny) + 1.0)
+    return ((x / x.sum())[group] / counts[group]).to(device)
+
+
 def simplex_weights_admm(
     G: torch.Tensor, eta_g: float = 1.0, phi: float = 0.1, rho: float = 1.0, iterations: int = 100
 ) -> torch.Tensor:
-    """Weights ``p`` ``[K]`` for ``min_{p in simplex} (eta_g^2 / 2 phi) p^T G p`` by the paper's
-    method of multipliers on the augmented Lagrangian (eqs 11-12), with the corrected p-step
-    (the printed ``(... + rho I)^{-1}(rho I - mu I)`` is not the minimiser of eq 11)::
+    """Weights ``p`` ``[K]`` by the paper's printed closed-form iteration for
+    ``min_{p in simplex} (eta_g^2 / 2 phi) p^T G p`` (eqs 11-12, ``eua=paper_closed_form``), with
+    the corrected matrix (the printed ``(... + rho I)^{-1}(rho I - mu I)`` is not the minimiser of
+    eq 11 over ``R^K``)::
 
         p  <- max(0, ((eta_g^2/phi) G + rho 1 1^T)^+ (rho - mu) 1)
         mu <- mu + rho (1^T p - 1)
 
     from ``mu = 0`` (``iterations`` p-steps), then ``p <- p / 1^T p``. ``^+`` is the
     pseudo-inverse (``G`` is singular when directions are linearly dependent, e.g. two identical
-    clients; it then splits weight equally between them).
+    clients; it then splits weight equally between them). Not the minimiser of the QP in
+    general: the exact weights are :func:`simplex_weights_active_set`.
 
-    What this computes: the matrix never changes, so every iterate is ``max(0, (rho - mu) x)``
-    with ``x = H^+ 1`` and the final renormalisation gives ``max(0, x) / 1^T max(0, x)`` whenever
-    ``rho - mu`` stays positive (``1^T x < 1/rho``, so the mu-iteration contracts unless
-    clipping makes ``1^T max(0, x) > 2/rho``). For invertible ``G``, ``x`` is proportional to
-    ``G^{-1} 1``: the minimiser over the affine hull ``1^T p = 1``, negative entries clipped.
-    That is the simplex optimum when the optimum is interior (all ``p_k > 0``), a heuristic
-    otherwise (measured, K = 10 correlated "log_distance" directions, mostly boundary optima:
-    objective 4-7 % above the optimum in the median, up to 75 %); ``eta_g``, ``phi``, ``rho``
-    and ``iterations`` then do not change the result.
+    What this computes: the p-step clips the minimiser over ``R^K`` instead of minimising over
+    ``p >= 0``. The matrix never changes, so every iterate is ``max(0, (rho - mu) x)`` with
+    ``x = H^+ 1``; with ``c = 1^T max(0, x)``, ``rho - mu`` follows ``r <- r (1 - rho c) + rho``.
+
+    * ``rho c < 2``: it converges to ``1/c`` and the result is ``max(0, x) / c``. For invertible
+      ``G``, ``x`` is proportional to ``G^{-1} 1``, the minimiser over the affine hull
+      ``1^T p = 1``, negative entries clipped: the optimum when it is interior (all ``p_k > 0``),
+      above it otherwise (measured against the exact weights on boundary optima, see the tests
+      and docs/algorithms.md).
+    * ``rho c > 2`` (possible only when clipping removes large negative entries): it oscillates
+      with growing amplitude, ``rho - mu`` turns negative, the iterates become
+      ``|rho - mu| max(0, -x)`` and the result is ``max(0, -x) / 1^T max(0, -x)``: all the weight
+      on the clients that the affine minimiser rejects (e.g. two nearly parallel directions of
+      unequal norms: ``[0, 1]`` where the optimum is ``[1, 0]``).
+
+    ``eta_g``, ``phi``, ``rho`` enter only through ``x`` and ``rho c``.
     """
     K = G.shape[0]
     ones = torch.ones(K, dtype=torch.float64, device=G.device)
@@ -181,7 +274,7 @@ def sharpen(weights: torch.Tensor, temperature: float) -> torch.Tensor:
 def eua_direction(
     global_vec: torch.Tensor,
     client_vecs: Sequence[torch.Tensor],
-    variant: Literal["paper", "official"],
+    variant: EUAVariant,
     *,
     eta_g: float = 1.0,
     phi: float = 0.1,
@@ -192,8 +285,9 @@ def eua_direction(
     """EUA's update direction ``[P]`` and client weights ``[K]`` (float64).
 
     * ``"paper"``: ``g_k`` = :func:`directions` ``"log_distance"``, ``p`` =
-      :func:`simplex_weights_admm` (``eta_g``, ``phi``, ``rho``, ``iterations``),
-      ``d* = (eta_g / phi) sum_k p_k g_k``;
+      :func:`simplex_weights_active_set` (the exact minimiser), ``d* = (eta_g / phi) sum_k p_k g_k``;
+    * ``"paper_closed_form"``: the same with ``p`` = :func:`simplex_weights_admm` (``eta_g``,
+      ``phi``, ``rho``, ``iterations``: the printed iteration, not the minimiser in general);
     * ``"official"``: ``d_k`` = :func:`directions` ``"normalized"``, ``p`` =
       :func:`simplex_weights_min_norm` from ``init`` (default uniform; official: the
       :func:`sharpen`-ed sample-size weights), renormalised over the non-degenerate clients,
@@ -202,7 +296,7 @@ def eua_direction(
     The caller moves the global model by ``theta_g - lr * d``. Degenerate clients (zero distance)
     are left out with weight 0 (module docstring).
     """
-    kind: DirectionKind = "log_distance" if variant == "paper" else "normalized"
+    kind: DirectionKind = "normalized" if variant == "official" else "log_distance"
     D = directions(global_vec, client_vecs, kind)
     active = D.abs().sum(1) > 0
     weights = torch.zeros(D.shape[0], dtype=torch.float64, device=D.device)
@@ -211,6 +305,9 @@ def eua_direction(
     Da = D[active]
     G = Da @ Da.T
     if variant == "paper":
+        weights[active] = simplex_weights_active_set(G)
+        scale = eta_g / phi
+    elif variant == "paper_closed_form":
         weights[active] = simplex_weights_admm(G, eta_g, phi, rho, iterations)
         scale = eta_g / phi
     else:

@@ -16,7 +16,7 @@ from .base import Batch, Reply, ServerState, StateDict
 from .eua import eua_direction
 from .registry import ALGORITHMS
 from .ssl import METHODS, SelfSupervised, SSLParams
-from .uniformity import UOT_ITERATIONS, tangent_sliced_wasserstein, uot_uniformity
+from .uniformity import UOT_ITERATIONS, UOT_SOLVERS, tangent_sliced_wasserstein, uot_uniformity
 
 
 @dataclass(frozen=True)
@@ -28,15 +28,16 @@ class FedU2Params(SSLParams):
     tau_a: float = P.param(0.8, P.Interval(0, None, "neither"), "UOT penalty on the representations' marginal")
     tau_b: float = P.param(0.8, P.Interval(0, None, "neither"), "UOT penalty on the samples' marginal")
     point_mass: float | None = P.param(2.0, P.Interval(0, None, "neither"), "UOT marginals: mass of every point ([infer]; none = 1/B, which leaves the plan at zero, see docs)")
-    uot_iterations: int = P.param(UOT_ITERATIONS, P.Interval(1, None), "projected steepest-descent steps of the UOT solver")
+    uot_solver: str = P.param("interior_point", P.OneOf(UOT_SOLVERS), "UOT plan: an interior-point method to convergence, or the paper's projected steepest descent (eq. 6) for uot_iterations steps")
+    uot_iterations: int | None = P.param(None, P.Interval(1, None), f"iterations of the UOT solver (none: {UOT_ITERATIONS['interior_point']} for interior_point, a cap; {UOT_ITERATIONS['steepest_descent']} for steepest_descent)")
     projections: int = P.param(6, P.Interval(1, None), "tangent_sw: random projections per tangent point")
     aggregation: str = P.param("eua", P.OneOf(("eua", "fedavg")), "server: EUA, or weighted averaging (the -EUA ablation)")
-    eua: str = P.param("paper", P.OneOf(("paper", "official")), "EUA: log-distance directions + ADMM (paper), or unit directions + MGDA min-norm (code)")
+    eua: str = P.param("paper", P.OneOf(("paper", "paper_closed_form", "official")), "EUA: log-distance directions with the exact simplex weights of eq. 10 (paper), the same with the paper's printed closed-form ADMM step (not the minimiser on boundary optima), or unit directions + MGDA min-norm (code)")
     eta: float = P.param(1.0, P.Interval(0, None, "neither"), "server step: theta_g <- theta_g - eta d* ([infer]; code: 8 with eua=official)")
     eta_g: float = P.param(1.0, P.Interval(0, None, "neither"), "eta_g of the dual problem (d* = eta_g / phi sum p_k g_k)")
     phi: float = P.param(0.1, P.Interval(0, None, "neither"), "phi of the dual problem")
-    rho: float = P.param(1.0, P.Interval(0, None, "neither"), "ADMM penalty rho")
-    admm_iterations: int = P.param(100, P.Interval(1, None), "ADMM iterations")
+    rho: float = P.param(1.0, P.Interval(0, None, "neither"), "ADMM penalty rho (eua=paper_closed_form; the exact weights of eua=paper do not depend on it)")
+    admm_iterations: int = P.param(100, P.Interval(1, None), "ADMM iterations (eua=paper_closed_form)")
 
 
 @ALGORITHMS.register("fedu2")
@@ -50,18 +51,19 @@ class FedU2(SelfSupervised):
 
     ``uniformity=uot`` (eqs. 3-6): ``l_u(Z) = <C, pi*> + tau_a/2 ||pi* 1 - a||^2 +
     tau_b/2 ||pi*^T 1 - b||^2`` with ``C_ij = ||Z_i - S_j||^2`` to fresh unit-normalised
-    Gaussian samples ``S``, ``pi*`` the unbalanced plan (projected steepest descent with
-    the exact step, held fixed; the gradient flows through ``C(Z)``);
+    Gaussian samples ``S``, ``pi*`` the optimal unbalanced plan (an interior-point method to
+    convergence; ``uot_solver=steepest_descent``: the paper's eq. 6 for ``uot_iterations``
+    steps), held fixed: the gradient flows through ``C(Z)`` (the envelope theorem);
     ``uniformity=tangent_sw`` is the official code's sliced Wasserstein-2 distance in the
     tangent spaces of the sphere at random points.
 
     Server (EUA, eqs. 7-12): with ``theta_g`` the model sent this round and ``theta_k``
     the returned ones (all parameters, BYOL's target included),
     ``g_k = grad log ||theta_g - theta_k||^2``; ``p = argmin_{p in simplex} p^T G p``
-    with ``G_kl = g_k . g_l`` (ADMM); ``theta_g <- theta_g - eta (eta_g / phi) sum_k
-    p_k g_k``. ``eua=official``: ``d_k = 2 (theta_g - theta_k) / ||theta_g - theta_k||``,
-    MGDA's min-norm solver started at the aggregation weights, ``theta_g <- theta_g - eta
-    sum_k p_k d_k``. BatchNorm statistics are the weighted average of the clients'. The
+    with ``G_kl = g_k . g_l`` (exact; ``eua=paper_closed_form``: the paper's printed ADMM
+    step); ``theta_g <- theta_g - eta (eta_g / phi) sum_k p_k g_k``. ``eua=official``:
+    ``d_k = 2 (theta_g - theta_k) / ||theta_g - theta_k||``, MGDA's min-norm solver started
+    at the aggregation weights, ``theta_g <- theta_g - eta sum_k p_k d_k``. BatchNorm statistics are the weighted average of the clients'. The
     weights ``p`` are kept in ``extras["eua_weights"]`` by client.
     """
 
@@ -92,7 +94,7 @@ class FedU2(SelfSupervised):
         p, noise = self.params, batch.noise
         samples = F.normalize(noise[f"samples{view}"], dim=-1)
         if p.uniformity == "uot":
-            return uot_uniformity(z, samples, p.tau_a, p.tau_b, p.uot_iterations, p.point_mass)
+            return uot_uniformity(z, samples, p.tau_a, p.tau_b, p.uot_iterations, p.point_mass, p.uot_solver)
         if self.method_of(p) == "simclr":  # the code feeds SimCLR's normalised projections
             z = F.normalize(z, dim=-1)
         tangent = F.normalize(noise[f"tangent{view}"], dim=-1)
