@@ -6,6 +6,9 @@ frozen models shared by all clients vs. per client, epoch-end snapshots and post
 corrections.
 """
 
+import os
+import signal
+
 import numpy as np
 import pytest
 import torch
@@ -20,6 +23,7 @@ from contrafl.engine.optim import SGD, Adam
 from contrafl.engine.plan import make_plan
 from contrafl.engine.rng import generator
 from contrafl.engine.vectorized import VectorizedExecutor, stack_trees
+from contrafl.errors import DataError
 from contrafl.models.base import FedModel
 
 
@@ -233,17 +237,48 @@ def test_parallel_executor_matches_sequential():
             torch.testing.assert_close(b.buffers["model"][k], a.buffers["model"][k], rtol=0, atol=1e-5)
 
 
-def test_parallel_executor_reports_worker_failures():
+def _parallel_with_loss(loss):
     from contrafl.engine.parallel import ParallelExecutor
-
-    def broken(task, batch, net):
-        raise ValueError("boom in a worker")
 
     model = _model()
     params, buffers = _split(model)
     x, y, tf, jobs = _jobs(params, buffers)
-    ex = ParallelExecutor(Workload.single(x, y, tf, FunctionalNet(model), [Stage(broken)], SGD(0.1)), workers=2)
-    with pytest.raises(RuntimeError, match="boom in a worker"):
+    return ParallelExecutor(Workload.single(x, y, tf, FunctionalNet(model), [Stage(loss)], SGD(0.1)), workers=2), jobs
+
+
+def test_parallel_executor_reports_worker_failures():
+    """The worker's exception is the first line of the error (a run's summary.json keeps
+    that line), its traceback follows; a user error keeps its type (one line, exit 2)."""
+    from contrafl.engine.parallel import WorkerError
+    from contrafl.errors import one_line
+
+    def broken(task, batch, net):
+        raise ValueError("boom in a worker")
+
+    ex, jobs = _parallel_with_loss(broken)
+    with pytest.raises(WorkerError) as info:
+        ex.train(jobs)
+    assert one_line(info.value) == "WorkerError: a worker process failed with ValueError: boom in a worker"
+    assert "Traceback" in str(info.value)
+
+    def bad_input(task, batch, net):
+        raise DataError("file x is truncated; download it again")
+
+    ex, jobs = _parallel_with_loss(bad_input)
+    with pytest.raises(DataError, match="^file x is truncated; download it again$"):
+        ex.train(jobs)
+
+
+def test_parallel_executor_stops_waiting_for_a_worker_that_died():
+    """A worker killed before it sends its results (the kernel's OOM killer sends
+    SIGKILL) is an error, not a wait without end."""
+    from contrafl.engine.parallel import WorkerError
+
+    def killed(task, batch, net):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    ex, jobs = _parallel_with_loss(killed)
+    with pytest.raises(WorkerError, match="died with exit code -9 before it sent its results .killed by signal 9"):
         ex.train(jobs)
 
 

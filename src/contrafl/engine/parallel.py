@@ -6,7 +6,9 @@ down badly. On the CPU it is faster to train several clients at once, one per wo
 process, each with few threads. Workers are forked when a round's jobs are ready, so they
 inherit the data, the model and the algorithm's loss functions without pickling; each
 trains its share of the jobs with the sequential executor (seeded per job, so a client's
-result does not depend on which worker trains it) and sends the results back.
+result does not depend on which worker trains it) and sends the results back. The workers
+leave stop requests (Ctrl-C, SIGTERM, :mod:`~contrafl.engine.signals`) to the parent: it
+looks for one while it waits for their results, and then kills them.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import math
 import traceback
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from queue import Empty
 from typing import Any
 
 import torch
@@ -22,8 +25,11 @@ import torch.multiprocessing as mp
 from torch.utils import _pytree as pytree
 
 from ..algorithms.base import TrainResult
+from ..errors import ContraflError, one_line
 from .executor import Job, SequentialExecutor, Workload
-from .signals import detach_from_signals
+from .signals import detach_from_signals, stop_point
+
+POLL_S = 0.1  # how often the parent looks for a stop request while it waits for its workers
 
 
 def balance(steps: list[int], workers: int) -> list[list[int]]:
@@ -37,6 +43,10 @@ def balance(steps: list[int], workers: int) -> list[list[int]]:
     return [sorted(s) for s in shares if s]
 
 
+class WorkerError(RuntimeError):
+    """A worker process failed: its exception (first line) and traceback."""
+
+
 def _worker(workload: Workload, jobs: list[Job], share: list[int], threads: int, queue) -> None:
     detach_from_signals()
     try:
@@ -44,8 +54,29 @@ def _worker(workload: Workload, jobs: list[Job], share: list[int], threads: int,
         executor = SequentialExecutor(workload)
         for i in share:
             queue.put((i, pack(executor.train([jobs[i]])[0]), None))
-    except BaseException:  # reported to the parent, which raises it
-        queue.put((None, None, traceback.format_exc()))
+    except ContraflError as exc:  # a user error: the parent raises it as it is
+        queue.put((None, None, exc))
+    except BaseException as exc:  # reported to the parent, which raises it
+        queue.put((None, None, f"a worker process failed with {one_line(exc)}\n{traceback.format_exc()}"))
+
+
+def _receive(queue, procs: list, shares: list[list[int]], results: list) -> tuple[int | None, Any, Any]:
+    """The workers' next message from ``queue``. A stop request made meanwhile (see
+    :mod:`~contrafl.engine.signals`) raises within :data:`POLL_S` seconds, and so does
+    the death of a worker that still owes results (killed, e.g. for memory), which
+    would otherwise leave the wait without an end."""
+    while True:
+        stop_point()
+        try:
+            return queue.get(timeout=POLL_S)
+        except Empty:
+            pass
+        for p, share in zip(procs, shares):
+            if p.exitcode not in (None, 0) and any(results[i] is None for i in share):
+                raise WorkerError(
+                    f"a worker process died with exit code {p.exitcode} before it sent its results"
+                    + (f" (killed by signal {-p.exitcode}; out of memory?)" if p.exitcode < 0 else "")
+                )
 
 
 class ParallelExecutor:
@@ -68,22 +99,30 @@ class ParallelExecutor:
             ctx.Process(target=_worker, args=(self.workload, jobs, s, self.threads, queue), daemon=True)
             for s in shares
         ]
-        for p in procs:
-            p.start()
         results: list[TrainResult | None] = [None] * len(jobs)
-        # While the workers hold the cores, a multi-threaded op in this process waits for
-        # threads that are not scheduled (copying a result's tensors took ~0.2 ms each).
         threads = torch.get_num_threads()
-        torch.set_num_threads(1)
+        finished = False
         try:
+            for p in procs:
+                p.start()
+            # While the workers hold the cores, a multi-threaded op in this process waits for
+            # threads that are not scheduled (copying a result's tensors took ~0.2 ms each).
+            torch.set_num_threads(1)
             for _ in range(len(jobs)):
-                i, result, error = queue.get()
+                i, result, error = _receive(queue, procs, shares, results)
+                if isinstance(error, BaseException):
+                    raise error
                 if error is not None:
-                    raise RuntimeError(f"a worker process failed:\n{error}")
+                    raise WorkerError(error)
                 results[i] = unpack(result)
+            finished = True
         finally:
             torch.set_num_threads(threads)
             for p in procs:
+                if p.pid is None:  # never started: the forks were cut short
+                    continue
+                if not finished:  # stopped or failed: the round's other results are not needed
+                    p.kill()
                 p.join(timeout=5)
                 if p.is_alive():
                     p.kill()

@@ -54,7 +54,7 @@ from .rng import derive_seed, generator
 from .run_dir import CHECKPOINT, RunDir
 from .sampling import sample_schedule
 from .setup import Setup, choose_executor, cpu_cores
-from .signals import interrupts, signal_name
+from .signals import interrupts, signal_name, stop_point
 from .validate import check_reply, norm_outliers
 from .vectorized import VectorizedExecutor
 
@@ -209,6 +209,7 @@ class Simulation:
                 if run_dir is not None:
                     run_dir.write_json("summary.json", self.summary("running", time.perf_counter() - start))
                 for t in range(self.rounds_done, cfg.rounds):
+                    stop_point()  # a stop requested during the last round (signals.py)
                     round_start = time.perf_counter()
                     row = self.run_round(t)
                     self.history.append(row)
@@ -381,11 +382,13 @@ class Simulation:
         rejected: dict[int, str] = {}
         lost: dict[int, str] = {}
         losses: dict[int, float] = {}
+        parts: dict[int, dict[str, float]] = {}
         steps = 0
         up: dict[str, int] = {}
         broadcast_spec = None
         train = self.transport.train if self.transport is not None else self.train_locally
         for done, outcome in enumerate(train(t, sampled, message_for, phases), start=1):
+            stop_point()  # a stop requested while the last client trained
             cid = outcome.cid
             if outcome.reply is None:
                 lost[cid] = outcome.lost or "no reply"

@@ -50,10 +50,11 @@ from typing import Any, TextIO
 
 import yaml
 
+from .. import params as P
 from ..config import apply_overrides, build_config, differences, fingerprint, merge, parse_overrides
 from ..engine.progress import Progress, clock_text
-from ..engine.run_dir import read_summary
-from ..engine.signals import interrupts
+from ..engine.run_dir import read_summary, to_json
+from ..engine.signals import interrupts, stop_point
 from ..errors import ConfigError, one_line
 from .metrics import last_row, last_value, mean_std, rounds_to_reach
 from .report import read_run
@@ -214,6 +215,7 @@ def run_suite(
     failed = []
     with interrupts():
         for i, cell in enumerate(cells, start=1):
+            stop_point()  # a stop requested between two runs, or while probing a finished one
             head = f"[{i}/{len(cells)}] {cell.method} seed {cell.seed}"
             if cell.state == "done":
                 log(f"{head}: done before, reused")
