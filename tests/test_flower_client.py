@@ -30,7 +30,7 @@ from contrafl.engine.setup import own_rows, prepare
 from contrafl.engine.simulation import ClientOutcome, Simulation, resume
 from contrafl.errors import DataError
 from contrafl.flower.client import FlowerClient
-from contrafl.flower.deploy import prepare_run
+from contrafl.flower.deploy import prepare_run, simulator_threads
 from test_orchestra import tiny_cifar
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -50,7 +50,7 @@ class FreshClients:
         for cid in cids:
             message = pytree.tree_map_only(torch.Tensor, torch.clone, message_for(cid))
             tree = FlowerClient(self.run_dir, cid).train(t, message, self.sim.checkpointed)
-            yield ClientOutcome(cid, Reply(cid, tree["num_samples"], tree["payload"]), tree["loss"], tree["steps"])
+            yield ClientOutcome(cid, Reply(cid, tree["num_samples"], tree["payload"]), tree["loss"], tree["steps"], parts=tree["parts"])
         if t == self.crash_in:
             raise KeyboardInterrupt
 
@@ -63,13 +63,25 @@ def settings(algorithm: str, *extra: str) -> list[str]:
     return [f"algorithm={algorithm}", f"num_clients={CLIENTS}", "rounds=4", "local_epochs=1", "executor=sequential", *extra]
 
 
+def strict_json(text: str):
+    """json.loads that rejects NaN and Infinity (RFC 8259), as many parsers do."""
+
+    def reject(name: str):
+        raise ValueError(f"non-standard JSON constant {name}")
+
+    return json.loads(text, parse_constant=reject)
+
+
 def metrics(path: Path) -> list[dict]:
-    return [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
+    return [strict_json(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
 
 
 def simulator(tmp_path: Path, cfg) -> list[dict]:
+    """The simulator's metrics of ``cfg``; its summary.json and metrics.jsonl are strict
+    JSON (every algorithm of `contrafl list` goes through here)."""
     path = tmp_path / "sim"
     Simulation(prepare(cfg), RunDir(path)).run()
+    assert strict_json((path / "summary.json").read_text())["status"] == "completed"
     return metrics(path)
 
 
@@ -96,8 +108,8 @@ def test_fresh_client_processes_give_the_simulators_run(tmp_path, algorithm, ext
     assert metrics(tmp_path / "flower") == expected
     assert any("personal_acc" in row for row in expected) == (algorithm != "scaffold")
     states = sorted(p.relative_to(tmp_path / "flower" / "flower-clients").as_posix() for p in (tmp_path / "flower" / "flower-clients").rglob("*.pt"))
-    if algorithm == "scaffold":  # checkpoint of round 3: each client keeps its state of round 2 (0-based) and its newest
-        assert states == [f"client-{c}/round-{r}.pt" for c in range(CLIENTS) for r in (2, 3)]
+    if algorithm == "scaffold":  # checkpoint after round 3: each client keeps its state of round 3 and its newest
+        assert states == [f"client-{c}/round-{r}.pt" for c in range(CLIENTS) for r in (3, 4)]
 
 
 TINY_SSL = ["model.projection_hidden=16", "model.projection_dim=8", "knn_k=5"]
@@ -133,7 +145,7 @@ def test_a_server_resuming_an_older_checkpoint_finds_the_clients_states_of_that_
     with pytest.raises(KeyboardInterrupt):
         flower_run(path, cfg, crash_in=3)
     assert len(metrics(path)) == 3
-    assert sorted(p.name for p in (path / "flower-clients" / "client-0").iterdir()) == ["round-1.pt", "round-3.pt"]
+    assert sorted(p.name for p in (path / "flower-clients" / "client-0").iterdir()) == ["round-2.pt", "round-4.pt"]
     sim = resume(prepare(load_config(path / "config.yaml")), RunDir(path, resume=True))
     assert sim.rounds_done == 2
     sim.transport = FreshClients(path, sim)
@@ -164,10 +176,16 @@ def test_a_partition_that_does_not_fit_the_data_is_a_one_line_error(tmp_path):
 
 
 def test_deploy_prepare_only_writes_the_run_directory_and_prints_the_commands(tmp_path, capsys):
+    """The commands listen on every interface, give each SuperNode its own FLWR_HOME and
+    port and the torch threads of `contrafl run`'s clients (tests/test_flower_deploy.py
+    runs them)."""
     run = tmp_path / "run"
     assert main(["deploy", "--prepare-only", "--round-timeout", "90", "--out", str(run), "algorithm=moon", "num_clients=3"]) == 0
     out = capsys.readouterr().out
-    assert "each client K = 0..2" in out and "partition-id=K run-dir='RUN_DIR'" in out and f"--run-config {run.resolve()}/flower-run.toml" in out
+    assert "each client K = 0..2" in out and f"--run-config {run.resolve()}/flower-run.toml" in out
+    assert "flower-superlink --insecure --disable-runtime-dependency-installation --host 0.0.0.0 --port 8000" in out
+    threads = simulator_threads(load_config(run / "config.yaml"))
+    assert f"FLWR_HOME=NODE_HOME flower-supernode --insecure --superlink SERVER:8000 --port 9094 --node-config \"partition-id=K run-dir='RUN_DIR' threads={threads}\"" in out
     rc = tomllib.loads((run / "flower-run.toml").read_text())
     assert rc == {"run-dir": str(run.resolve()), "round-timeout": 90.0, "min-replies": 1, "wait-nodes": 120.0}
     assert Partition.load(run / "partition.json").to_json() == prepare(load_config(run / "config.yaml")).partition.to_json()
@@ -181,8 +199,20 @@ def test_deploy_resume_needs_a_run_directory_alone(tmp_path, capsys):
 
 
 def test_deploy_checks_its_options_before_starting_anything(tmp_path, capsys):
-    assert main(["deploy", "--min-replies", "4", "--out", str(tmp_path / "run"), "algorithm=fedavg", "num_clients=3"]) == 2
-    assert "min_replies=4 must be between 0 and num_clients=3" in capsys.readouterr().err
-    assert main(["deploy", "--round-timeout", "0", "--out", str(tmp_path / "run"), "algorithm=fedavg", "num_clients=3"]) == 2
-    assert "round_timeout=0 must be positive" in capsys.readouterr().err
+    """A bad option, or a run directory in use, is one line on stderr and nothing else:
+    no banner, no run directory, no processes."""
+    def refused(*args: str) -> str:
+        assert main(["deploy", *args, "algorithm=fedavg", "num_clients=3"]) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and len(err.splitlines()) == 1, (out, err)
+        return err
+
+    assert "min_replies=4 must be between 0 and num_clients=3" in refused("--min-replies", "4", "--out", str(tmp_path / "run"))
+    assert "round_timeout=0 must be positive" in refused("--round-timeout", "0", "--out", str(tmp_path / "run"))
+    assert "--server-host is for --prepare-only" in refused("--server-host", "10.0.0.5", "--out", str(tmp_path / "run"))
+    assert "give the names or addresses the SuperNodes dial with --server-host" in refused("--prepare-only", "--tls", "--out", str(tmp_path / "run"))
+    assert "server host 'a b' is neither an IP address nor a DNS name" in refused("--prepare-only", "--server-host", "a b", "--out", str(tmp_path / "run"))
     assert not (tmp_path / "run").exists()
+    (tmp_path / "used").mkdir()
+    (tmp_path / "used" / "metrics.jsonl").write_text("")
+    assert "already exists and is not empty" in refused("--out", str(tmp_path / "used"))

@@ -6,8 +6,11 @@ should amount to: the same metrics, or the same global model, to the last bit.""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import threading
 import time
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -17,11 +20,11 @@ pytest.importorskip("flwr")
 
 from contrafl.cli import main  # noqa: E402
 from contrafl.config import load_config  # noqa: E402
-from contrafl.engine.run_dir import RunDir  # noqa: E402
+from contrafl.engine.run_dir import RunDir, read_summary  # noqa: E402
 from contrafl.engine.setup import prepare  # noqa: E402
 from contrafl.engine.simulation import ClientOutcome, Simulation  # noqa: E402
 from contrafl.flower.deploy import APP_DIR, prepare_run, run_config, shared_cores  # noqa: E402
-from contrafl.flower.launch import FlowerLaunchError, LocalDeployment  # noqa: E402
+from contrafl.flower.launch import CONNECTION, FlowerLaunchError, LocalDeployment, _descendants  # noqa: E402
 from conftest import torch_threads  # noqa: E402
 from flower_faulty_app.faultyapp.client_app import corrupt  # noqa: E402
 
@@ -62,12 +65,14 @@ def final_model(path: Path) -> dict[str, torch.Tensor]:
     return torch.load(path / "checkpoint.pt", weights_only=False)["server"]["model"]
 
 
-def wait_for_rows(path: Path, n: int, thread: threading.Thread, timeout: float = 300.0) -> list[dict]:
-    """The metrics once the run has written ``n`` rounds."""
+def wait_for_rows(path: Path, n: int, thread: threading.Thread, timeout: float = 300.0, checkpointed: bool = False) -> list[dict]:
+    """The metrics once the run has written ``n`` rounds (and, with ``checkpointed``, the
+    checkpoint of round ``n``: the metrics row comes before it)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and thread.is_alive():
         if (path / "metrics.jsonl").is_file() and len(rows := metrics(path)) >= n:
-            return rows
+            if not checkpointed or read_summary(path).get("checkpointed_rounds", 0) >= n:
+                return rows
         time.sleep(0.05)
     raise AssertionError(f"the run did not reach round {n}")
 
@@ -128,31 +133,55 @@ def test_a_client_killed_in_a_round_is_lost_and_rejoins_with_its_state(tmp_path)
     rows = metrics(run)
     assert [[lost["client"] for lost in row.get("lost", [])] for row in rows] == [[], [2], [], []]
     assert "no reply within 20s" in rows[1]["lost"][0]["reason"]
-    assert sorted((run / "flower-clients" / "client-2").iterdir())[-1].name == "round-3.pt"
+    assert sorted((run / "flower-clients" / "client-2").iterdir())[-1].name == "round-4.pt"
     sim = replay(tmp_path / "replay", settings, absent={1: {2}})
     assert [r["test_acc"] for r in sim.history] == [r["test_acc"] for r in rows]
     for k, v in final_model(tmp_path / "replay").items():
         assert torch.equal(v, final_model(run)[k]), k
 
 
+def kill_superlink(run: Path) -> None:
+    """SIGKILL the SuperLink of `contrafl deploy`'s deployment of ``run`` (the one on the
+    port of its flwr config) and everything it started (SuperExec, ServerApp)."""
+    port = tomllib.loads((run / "flower" / "flwr_home" / "config.toml").read_text())["superlink"][CONNECTION]["address"].rsplit(":", 1)[1]
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(a.endswith(b"flower-superlink") for a in argv) and b"--port" in argv and argv[argv.index(b"--port") + 1] == port.encode():
+            pid = int(entry.name)
+            for child, _ in _descendants(pid):
+                os.kill(child, signal.SIGKILL)
+            os.kill(pid, signal.SIGKILL)
+            return
+    raise AssertionError(f"no SuperLink on port {port}")
+
+
 def test_a_server_killed_and_restarted_resumes_from_its_last_checkpoint(tmp_path):
-    """The SuperLink (and the ServerApp with it) is killed once round 2 is recorded,
-    while round 3 may be under way, then the whole deployment stops (a machine restart).
+    """`contrafl deploy`'s SuperLink (and the ServerApp with it) is killed once round 2 is
+    recorded, while round 3 may be under way: contrafl deploy stops the deployment (a
+    machine restart) and records the run as failed, with the reason and how to resume.
     `contrafl deploy --resume` on a new SuperLink and new SuperNodes continues the run
-    directory from its last checkpoint and ends with the simulator's metrics and model.
-    (tests/test_flower_client.py checks that clients which went on to later rounds go
-    back to the states of the checkpoint's round.)"""
+    directory from its last checkpoint, keeps the first run's logs and ends with the
+    simulator's metrics and model. (tests/test_flower_client.py checks that clients which
+    went on to later rounds go back to the states of the checkpoint's round.)"""
     settings = ["algorithm=moon", *COMMON, "rounds=3"]
     run = tmp_path / "flower-run"
-    prepare_run(load_config(None, settings), run)
-    with LocalDeployment(tmp_path / "flower", CLIENTS, node_configs=shared_cores(CLIENTS)) as deployment:  # as deploy's
-        thread, outcome = in_background(deployment, APP_DIR, run_config(run, round_timeout=120, min_replies=CLIENTS))
-        wait_for_rows(run, 2, thread)
-        deployment.kill_superlink()
-        thread.join()
-    assert isinstance(outcome[0], FlowerLaunchError)
-    assert json.loads((run / "summary.json").read_text())["status"] == "running"  # killed: no last word
+    exit_status: list[int] = []
+    thread = threading.Thread(target=lambda: exit_status.append(main(["deploy", "--round-timeout", "120", "--out", str(run), *settings])))
+    thread.start()
+    wait_for_rows(run, 2, thread, checkpointed=True)
+    kill_superlink(run)
+    thread.join()
+    assert exit_status == [2]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["error"].startswith("the Flower deployment stopped before the run ended (FlowerLaunchError: flwr run ")
+    assert summary["error"].endswith(f"; continue from its last checkpoint with `contrafl deploy --resume {run}`")
+    assert summary["checkpointed_rounds"] >= 2 and (run / "checkpoint.pt").is_file()
+    first_log = (run / "flower" / "logs" / "run-1.log").read_text()
     assert main(["deploy", "--resume", str(run), "--round-timeout", "120"]) == 0
+    assert (run / "flower" / "logs" / "run-1.log").read_text() == first_log and "round 3/3" in (run / "flower" / "logs" / "run-2.log").read_text()
     sim = tmp_path / "sim"
     with torch_threads(shared_cores(CLIENTS)[0]["threads"]):  # each client's threads in the deployment
         Simulation(prepare(load_config(None, settings)), RunDir(sim)).run()

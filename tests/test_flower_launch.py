@@ -148,3 +148,20 @@ def test_port_in_use_is_reported(tmp_path: Path) -> None:
         port = busy.getsockname()[1]
         with pytest.raises(FlowerLaunchError, match=f"127.0.0.1:{port}"):
             LocalDeployment(tmp_path, 1, port=port).start()
+
+
+def test_certificates_name_the_given_hosts_and_only_those(tmp_path: Path) -> None:
+    from cryptography import x509
+
+    from contrafl.flower.tls import LOCAL_HOSTS, make_certificates
+
+    def names(files) -> set[str]:
+        cert = x509.load_pem_x509_certificate(files.server_cert.read_bytes())
+        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        return {*san.get_values_for_type(x509.DNSName), *(str(a) for a in san.get_values_for_type(x509.IPAddress))}
+
+    assert names(make_certificates(tmp_path / "local")) == set(LOCAL_HOSTS)
+    assert names(make_certificates(tmp_path / "server", ["server.example.org", "10.0.0.5", "fd00::1"])) == {"server.example.org", "10.0.0.5", "fd00::1"}
+    with pytest.raises(ConfigError, match="server host 'no/such host' is neither an IP address nor a DNS name"):
+        make_certificates(tmp_path / "bad", ["no/such host"])
+    assert not (tmp_path / "bad").exists()

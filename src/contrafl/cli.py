@@ -180,13 +180,16 @@ def format_summary(summary: dict) -> str:
 
 
 def cmd_deploy(ns: argparse.Namespace) -> int:
-    """``contrafl deploy [CONFIG] KEY=VALUE...``: the run on a local Flower deployment."""
+    """``contrafl deploy [CONFIG] KEY=VALUE...``: the run on a local Flower deployment.
+    Every input is checked (and the run directory written) before anything is printed."""
     try:
-        from .flower.deploy import commands, deploy, prepare_run
+        from .flower.deploy import check_hosts, check_settings, commands, deploy, prepare_run
     except ImportError as exc:
         raise ContraflError(str(exc)) from None
     from .engine.run_dir import default_run_dir
 
+    if ns.server_host and not ns.prepare_only:
+        raise ConfigError("--server-host is for --prepare-only (a deployment of your own); contrafl deploy's own SuperLink is 127.0.0.1")
     if ns.resume:
         if ns.args or ns.out or ns.prepare_only:
             raise ConfigError("contrafl deploy --resume RUN_DIR takes no config, KEY=VALUE, --out or --prepare-only: the run keeps its own config.yaml")
@@ -198,14 +201,18 @@ def cmd_deploy(ns: argparse.Namespace) -> int:
         config_path, overrides = _split_run_args(ns.args)
         cfg = load_config(config_path, overrides)
         path = Path(ns.out) if ns.out else default_run_dir(cfg.algorithm.name, cfg.dataset.name)
+    check_settings(cfg, ns.round_timeout, ns.min_replies)
     if ns.prepare_only:
+        check_hosts(ns.server_host or (), ns.tls)
         cfg = prepare_run(cfg, path)
-        print(commands(path, cfg.num_clients, ns.round_timeout, ns.min_replies))
+        print(commands(path, cfg, ns.round_timeout, ns.min_replies, server_hosts=ns.server_host or (), tls=ns.tls))
         return 0
+    if not ns.resume:
+        cfg = prepare_run(cfg, path)
     print(f"contrafl {__version__}: {cfg.algorithm.name} on a local Flower deployment of {cfg.num_clients} SuperNodes"
           f"{' (TLS)' if ns.tls else ''}; run directory: {path}, Flower logs: {path / 'flower' / 'logs'}")
     result = deploy(
-        cfg, path, resume=bool(ns.resume), tls=ns.tls, round_timeout=ns.round_timeout, min_replies=ns.min_replies, echo=sys.stdout
+        cfg, path, prepared=True, tls=ns.tls, round_timeout=ns.round_timeout, min_replies=ns.min_replies, echo=sys.stdout
     )
     print(f"Flower run {result.run_id}: {result.status} in {result.seconds:.1f}s; results in {path}")
     return 0
@@ -461,7 +468,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     dep.add_argument("args", nargs="*", metavar="[CONFIG] KEY=VALUE", help="config file and overrides")
     dep.add_argument("--out", metavar="DIR", help="run directory (default: runs/<time>-<algorithm>-<dataset>)")
-    dep.add_argument("--tls", action="store_true", help="serve the SuperLink over TLS (certificates generated in the run directory)")
+    dep.add_argument("--tls", action="store_true",
+                     help="serve the SuperLink over TLS, with certificates made in the run directory's flower/certs "
+                          "(for 127.0.0.1; with --prepare-only, for the --server-host names)")
     dep.add_argument("--round-timeout", type=float, default=600.0, metavar="S",
                      help="seconds a round waits for replies before the missing clients count as lost (default 600)")
     dep.add_argument("--min-replies", type=int, default=1, metavar="N",
@@ -470,6 +479,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="continue a deployed run from its last checkpoint (after its server or the machine stopped)")
     dep.add_argument("--prepare-only", action="store_true",
                      help="write the run directory and print the commands to run it on your own SuperLink and SuperNodes (several machines)")
+    dep.add_argument("--server-host", action="append", metavar="HOST",
+                     help="with --prepare-only: a host name or address of the SuperLink that the SuperNodes dial (repeatable; "
+                          "with --tls, the certificates name these and 127.0.0.1, where the SuperLink's own SuperExec dials it)")
     dep.set_defaults(func=cmd_deploy, settings_dest="args")
 
     lst = sub.add_parser("list", help="list algorithms, datasets, partitions, models, augmentations",

@@ -11,13 +11,16 @@ executor: ``client_begin``, the local steps with the same plans and seeds,
 (:meth:`~contrafl.engine.simulation.Simulation.evaluate_locally`).
 
 The client's state (its algorithm state and optimiser state) lives in files of its own,
-``client-<cid>/round-<t>.pt`` (the state after its training in round ``t``), so that it
-survives a restart of the SuperNode (Flower's ``context.state`` does not). Round ``t``
-starts from the newest state of a round before ``t``. A server that restarts resumes
-from its last checkpoint (round ``c``) and trains rounds ``c, c+1, ...`` again, so each
-train message says ``c`` and the client keeps, besides the state it has just made, the
-newest state of a round before ``c``; states of rounds after the current one belong to
-a run the server abandoned and are removed.
+``client-<cid>/round-<T>.pt``, the state after its training in round ``T`` (rounds
+counted from 1, as in ``metrics.jsonl``), so that it survives a restart of the SuperNode
+(Flower's ``context.state`` does not). Round ``T`` starts from the newest state of a
+round before ``T``. A server that restarts resumes from its last checkpoint, made after
+round ``C``, and trains rounds ``C+1, C+2, ...`` again, so each train message says ``C``
+and the client keeps, besides the state it has just made, its newest state of a round
+up to ``C``; states of rounds after the current one belong to a run the server
+abandoned and are removed.
+
+(The methods take the engine's round index ``t``, counted from 0: round ``T = t + 1``.)
 """
 
 from __future__ import annotations
@@ -62,34 +65,34 @@ class FlowerClient:
         return {int(m.group(1)): self.state_dir / m.group(0) for m in found if m}
 
     def load_state(self, t: int) -> None:
-        """Put the client's state at the start of round ``t`` (its newest state of a round
-        before ``t``, none when it has not trained yet) into the simulation's store."""
+        """Put the client's state at the start of round ``t + 1`` (its newest state of a
+        round up to ``t``, none when it has not trained yet) into the simulation's store."""
         states = self.states()
-        before = [r for r in states if r < t]
+        before = [r for r in states if r <= t]
         if before:
             self.sim.store.put(self.cid, load_safe(states[max(before)], f"client {self.cid}'s state", self.sim.device))
 
     def train(self, t: int, message: dict[str, Any], checkpointed: int) -> dict[str, Any]:
-        """Round ``t``'s local training on ``message``: the reply as a tree (``payload``,
-        ``num_samples``, ``loss``, ``steps``). The client's next state is saved before the
-        reply leaves; it keeps the states a server resuming from its checkpoint of round
-        ``checkpointed`` may need."""
+        """Local training in round ``t + 1`` on ``message``: the reply as a tree
+        (``payload``, ``num_samples``, ``loss``, ``steps``, the loss's ``parts``). The client's next state is
+        saved (``round-<t+1>.pt``) before the reply leaves; it keeps the states a server
+        resuming from its checkpoint after round ``checkpointed`` may need."""
         sim, cid = self.sim, self.cid
         self.load_state(t)
         outcome = next(iter(sim.train_locally(t, [cid], lambda _: message, sim.algorithm.phases(t))))
         entry = sim.store.get(cid)
         if entry is not None:
             self.state_dir.mkdir(parents=True, exist_ok=True)
-            save_atomic(entry, self.state_dir / f"round-{t}.pt")
+            save_atomic(entry, self.state_dir / f"round-{t + 1}.pt")
             states = self.states()
-            keep = {t, max((r for r in states if r < checkpointed), default=-1)}
+            keep = {t + 1, max((r for r in states if r <= checkpointed), default=0)}
             for r, path in states.items():
                 if r not in keep:
                     path.unlink()
         reply = outcome.reply
-        return {"payload": reply.payload, "num_samples": reply.num_samples, "loss": outcome.loss, "steps": outcome.steps}
+        return {"payload": reply.payload, "num_samples": reply.num_samples, "loss": outcome.loss, "steps": outcome.steps, "parts": outcome.parts}
 
     def evaluate(self, t: int, message: dict[str, Any]) -> Scores | None:
-        """The client's personal model at the start of round ``t`` on its test data."""
+        """The client's personal model at the start of round ``t + 1`` on its test data."""
         self.load_state(t)
         return next(iter(self.sim.evaluate_locally(t, [self.cid], lambda _: message)))[1]

@@ -4,21 +4,28 @@
 resolved ``config.yaml`` and the ``partition.json`` every client takes its rows from);
 :func:`deploy` starts a SuperLink and one SuperNode per client on this machine
 (:class:`~contrafl.flower.launch.LocalDeployment`) and runs contrafl's Flower app on them,
-which writes the same run directory as ``contrafl run``.
+which writes the same run directory as ``contrafl run``; :func:`commands` says how to run
+a prepared run directory on a deployment of one's own (several machines).
 """
 
 from __future__ import annotations
 
+import datetime as dt
 import json
+import shlex
+from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
 from typing import TextIO
 
+import torch
+
 from ..config import Config
-from ..errors import ConfigError
-from ..engine.run_dir import RunDir
+from ..engine.run_dir import RunDir, read_summary
 from ..engine.setup import cpu_cores, prepare
-from .launch import LocalDeployment, RunResult, toml_document
+from ..errors import ConfigError, one_line
+from .launch import FlowerLaunchError, LocalDeployment, RunResult, toml_document, toml_string
+from .tls import alt_name, make_certificates
 
 APP_DIR = Path(str(resources.files("contrafl.flower") / "app"))
 """contrafl's Flower app directory (the argument of ``flwr run``)."""
@@ -40,23 +47,73 @@ def run_config(path: Path, round_timeout: float, min_replies: int, wait_nodes: f
     return {"run-dir": str(Path(path).resolve()), "round-timeout": round_timeout, "min-replies": min_replies, "wait-nodes": wait_nodes}
 
 
-def deploy(
-    cfg: Config, path: Path, *, resume: bool = False, tls: bool = False, round_timeout: float = 600.0,
-    min_replies: int = 1, timeout: float | None = None, echo: TextIO | None = None,
-) -> RunResult:
-    """Run ``cfg`` on a SuperLink and ``num_clients`` SuperNodes on this machine, the
-    Flower processes' homes and logs in ``path/flower``; the run directory is ``path``.
-    ``resume``: the run is already in ``path`` (``cfg`` is its ``config.yaml``) and
-    continues from its last checkpoint. The server's output (its progress) also goes to
-    ``echo`` when given."""
+def check_settings(cfg: Config, round_timeout: float, min_replies: int) -> None:
+    """:class:`ConfigError` unless ``round_timeout`` and ``min_replies`` fit ``cfg``."""
     if not 0 < round_timeout:
         raise ConfigError(f"round_timeout={round_timeout:g} must be positive (seconds a round waits for replies)")
     if not 0 <= min_replies <= cfg.num_clients:
         raise ConfigError(f"min_replies={min_replies} must be between 0 and num_clients={cfg.num_clients}")
-    if not resume:
+
+
+def check_hosts(server_hosts: Sequence[str], tls: bool) -> None:
+    """:class:`ConfigError` unless each of ``server_hosts`` is a host name or an IP
+    address, and unless there is one when ``tls`` (what the certificates name)."""
+    if tls and not server_hosts:
+        raise ConfigError(
+            "--tls with --prepare-only makes certificates for the SuperLink's host: give the "
+            "names or addresses the SuperNodes dial with --server-host HOST (repeatable)"
+        )
+    for host in server_hosts:
+        alt_name(host)
+
+
+def deploy(
+    cfg: Config, path: Path, *, prepared: bool = False, tls: bool = False, round_timeout: float = 600.0,
+    min_replies: int = 1, timeout: float | None = None, echo: TextIO | None = None,
+) -> RunResult:
+    """Run ``cfg`` on a SuperLink and ``num_clients`` SuperNodes on this machine, the
+    Flower processes' homes and logs in ``path/flower``; the run directory is ``path``.
+    ``prepared``: the run directory is already written (by :func:`prepare_run`, or by an
+    earlier deployment: the run continues from its last checkpoint), ``cfg`` is its
+    ``config.yaml``. The server's output (its progress) also goes to ``echo`` when given.
+
+    When the deployment ends before the run does (its SuperLink or ServerApp died, or
+    the caller was interrupted), the processes are stopped and ``summary.json`` says so
+    (:func:`record_stop`) instead of ``running``; the checkpoint is kept for a resume."""
+    check_settings(cfg, round_timeout, min_replies)
+    if not prepared:
         cfg = prepare_run(cfg, path)
-    with LocalDeployment(Path(path) / "flower", cfg.num_clients, tls=tls, node_configs=shared_cores(cfg.num_clients)) as deployment:
-        return deployment.run(APP_DIR, run_config(path, round_timeout, min_replies), timeout=timeout, echo=echo)
+    try:
+        with LocalDeployment(Path(path) / "flower", cfg.num_clients, tls=tls, node_configs=shared_cores(cfg.num_clients)) as deployment:
+            return deployment.run(APP_DIR, run_config(path, round_timeout, min_replies), timeout=timeout, echo=echo)
+    except (FlowerLaunchError, KeyboardInterrupt) as exc:
+        record_stop(path, exc)
+        raise
+
+
+def record_stop(path: Path, exc: BaseException) -> None:
+    """Record in ``summary.json`` that the run in ``path`` stopped because of ``exc``
+    (``interrupted`` for a KeyboardInterrupt, else ``failed``), unless its ServerApp
+    recorded how it ended itself (the summary no longer says ``running``). Call it once
+    the deployment's processes are stopped."""
+    summary = read_summary(path)
+    if summary.get("status") != "running":
+        return
+    if isinstance(exc, KeyboardInterrupt):
+        status, why = "interrupted", "contrafl deploy was interrupted"
+    else:
+        status, why = "failed", f"the Flower deployment stopped before the run ended ({one_line(exc)})"
+    try:
+        run_dir = RunDir(Path(path), resume=True)
+    except ConfigError:  # locked: its ServerApp still runs and records how it ends
+        return
+    try:
+        run_dir.write_json("summary.json", {
+            "status": status, "error": f"{why}; continue from its last checkpoint with `contrafl deploy --resume {path}`",
+            **{k: v for k, v in summary.items() if k not in ("status", "error")},
+        })
+    finally:
+        run_dir.close()
 
 
 def shared_cores(num_nodes: int) -> list[dict[str, int]]:
@@ -66,21 +123,77 @@ def shared_cores(num_nodes: int) -> list[dict[str, int]]:
     return [{"threads": max(1, cpu_cores() // num_nodes)} for _ in range(num_nodes)]
 
 
-def commands(path: Path, num_clients: int, round_timeout: float = 600.0, min_replies: int = 1) -> str:
-    """How to run the prepared run directory ``path`` on a Flower deployment of one's own
-    (SuperLink and SuperNodes on any machines): the commands, with the app's run config
-    written to ``path/flower-run.toml``."""
+def simulator_threads(cfg: Config) -> int:
+    """torch's threads for each client in ``contrafl run`` of the resolved config ``cfg``
+    on this machine: what SuperNodes need (node config ``threads``) for the simulator's
+    numbers bit for bit."""
+    if cfg.executor == "parallel":
+        return max(1, cpu_cores() // (cfg.workers or cpu_cores()))
+    return torch.get_num_threads()
+
+
+#: Port of the SuperLink in the commands of :func:`commands` (flwr's default).
+SUPERLINK_PORT = 8000
+#: Port of a SuperNode's ClientApp API in those commands (flwr's default).
+SUPERNODE_PORT = 9094
+#: How long the certificates of :func:`commands` are valid.
+CERTIFICATES_VALID = dt.timedelta(days=365)
+#: The address the SuperLink's own SuperExec (which starts the ServerApp) dials: flwr 1.41
+#: turns ``--host 0.0.0.0`` into it, so the SuperLink's certificate must name it too.
+SUPEREXEC_HOST = "127.0.0.1"
+
+
+def commands(
+    path: Path, cfg: Config, round_timeout: float = 600.0, min_replies: int = 1, *,
+    server_hosts: Sequence[str] = (), tls: bool = False,
+) -> str:
+    """How to run the prepared run directory ``path`` of the resolved config ``cfg`` on a
+    Flower deployment of one's own (SuperLink and SuperNodes on any machines): the
+    commands, with the app's run config written to ``path/flower-run.toml``.
+
+    ``server_hosts``: the SuperLink's host names or addresses that the SuperNodes and
+    the ``flwr`` CLI dial (the first goes into the commands; default: ``SERVER``).
+    ``tls``: certificates for ``server_hosts`` and :data:`SUPEREXEC_HOST` are made in
+    ``path/flower/certs`` (:func:`contrafl.flower.tls.make_certificates`, valid for a
+    year) and used."""
+    check_settings(cfg, round_timeout, min_replies)
+    check_hosts(server_hosts, tls)
     path = Path(path).resolve()
     rc = path / "flower-run.toml"
     rc.write_text(toml_document(run_config(path, round_timeout, min_replies)))
-    last = num_clients - 1
+    server = server_hosts[0] if server_hosts else "SERVER"
+    address = f"[{server}]:{SUPERLINK_PORT}" if ":" in server else f"{server}:{SUPERLINK_PORT}"
+    threads = simulator_threads(cfg)
+    node_config = "partition-id=K run-dir='RUN_DIR'" + (" data-dir='DATA_DIR'" if cfg.data_dir else "") + f" threads={threads}"
+    copies = "config.yaml and partition.json"
+    if tls:
+        named = list(dict.fromkeys([*server_hosts, SUPEREXEC_HOST]))
+        certs = make_certificates(path / "flower" / "certs", named, valid_for=CERTIFICATES_VALID)
+        link_security = " ".join(
+            f"--ssl-{kind} {shlex.quote(str(file))}" for kind, file in
+            (("ca-certfile", certs.ca_cert), ("certfile", certs.server_cert), ("keyfile", certs.server_key))
+        )
+        node_security = "--root-certificates RUN_DIR/flower/certs/ca.crt"
+        cli_security = f"root-certificates = {toml_string(str(certs.ca_cert))}"
+        copies = "config.yaml, partition.json and flower/certs/ca.crt"
+        secured = (
+            f" (TLS: certificates for {', '.join(named)} in {certs.ca_cert.parent}, valid for {CERTIFICATES_VALID.days} days;"
+            f" {SUPEREXEC_HOST} is where the SuperLink's own SuperExec dials it)"
+        )
+    else:
+        link_security = node_security = "--insecure"
+        cli_security, secured = "insecure = true", ""
+    last = cfg.num_clients - 1
     return "\n".join([
-        f"The run directory {path} is ready. On the Flower deployment (flwr 1.41, contrafl[flower] installed everywhere):",
-        "  server machine:",
-        "    flower-superlink --insecure --disable-runtime-dependency-installation          # port 8000 (--host 0.0.0.0 to accept other machines)",
-        f"  each client K = 0..{last}, on its machine, with config.yaml and partition.json of the run directory in RUN_DIR and the data in DATA_DIR:",
-        "    flower-supernode --insecure --superlink SERVER:8000 --node-config \"partition-id=K run-dir='RUN_DIR' data-dir='DATA_DIR'\"",
-        "  then, where flwr's config.toml names the SuperLink as CONNECTION:",
-        f"    flwr run {APP_DIR} CONNECTION --stream --run-config {rc}",
-        "(docs/flower.md: TLS, several machines, faults and restarts)",
+        f"The run directory {path} is ready. On a Flower deployment of your own (flwr 1.41; contrafl[flower] and the same torch on every machine):",
+        f"  1. on the server machine, the SuperLink on port {SUPERLINK_PORT} of every interface{secured}:",
+        f"    flower-superlink {link_security} --disable-runtime-dependency-installation --host 0.0.0.0 --port {SUPERLINK_PORT}",
+        f"  2. for each client K = 0..{last}, on its machine: {copies} of the run directory copied to RUN_DIR (same places)"
+        + (", the dataset in DATA_DIR" if cfg.data_dir else "")
+        + f", a FLWR_HOME of its own (NODE_HOME) and, for SuperNodes sharing a machine, a --port each:",
+        f"    FLWR_HOME=NODE_HOME flower-supernode {node_security} --superlink {address} --port {SUPERNODE_PORT} --node-config \"{node_config}\"",
+        f"     (threads={threads}: each client's torch threads in `contrafl run` of this config on this machine, executor={cfg.executor}; its metrics bit for bit need the same)",
+        f"  3. once every SuperNode is up, from a machine whose $FLWR_HOME/config.toml names the SuperLink as CONNECTION (address = \"{address}\", {cli_security}):",
+        f"    flwr run {shlex.quote(str(APP_DIR))} CONNECTION --stream --run-config {shlex.quote(str(rc))}",
+        "(docs/flower.md: several machines, TLS, faults and restarts)",
     ])

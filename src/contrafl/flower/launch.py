@@ -16,7 +16,9 @@ Layout of ``workdir``:
   installed?" before copying, so processes sharing one home could import a half-copied app;
 * ``config/``: ``node-<i>.toml`` and ``run-<n>.toml``, the node and run configurations;
 * ``logs/``: ``superlink.log``, ``supernode-<i>.log`` (stdout and stderr, appended to across
-  restarts) and ``run-<n>.log`` (the streamed ServerApp output of run ``n``).
+  restarts) and ``run-<n>.log`` (the streamed ServerApp output of run ``n``, numbered on
+  from the logs already there, so that a deployment started again on the same ``workdir``
+  keeps the earlier ones).
 
 Node and run configurations are passed to flwr as TOML *files* (``--node-config x.toml``,
 ``--run-config x.toml``, both accepted by flwr's ``parse_config_args``), not as inline
@@ -70,6 +72,7 @@ FLWR_EXECUTABLES = (
 
 _NODE_ID = re.compile(r"SuperNode ID: (\d+)")
 _RUN_ID = re.compile(r"Successfully started run (\d+)")
+_RUN_LOG = re.compile(r"run-(\d+)\.log")
 _BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
 ConfigValue = str | int | float | bool
 
@@ -683,7 +686,9 @@ class LocalDeployment:
         """
         if self._superlink is None:
             raise FlowerLaunchError("the deployment has not been started")
-        self._runs += 1
+        self._runs = 1 + max(
+            [self._runs, *(int(m.group(1)) for p in self.log_dir.iterdir() if (m := _RUN_LOG.fullmatch(p.name)))]
+        )
         log_path = self.log_dir / f"run-{self._runs}.log"
         argv = [str(self.bin_dir / "flwr"), "run", str(Path(app_dir).resolve()), CONNECTION, "--stream"]
         if run_config:

@@ -25,6 +25,10 @@ from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 from flwr.serverapp import Grid
 
 POLL_S = 0.2
+USER_ERROR = 100
+"""The code of the error reply of a ClientApp that cannot serve a message because of the
+user's setup (a node config or data that do not fit the run); its reason is the one-line
+message (Flower's own codes are below 100)."""
 
 
 class GridTransport:
@@ -32,35 +36,43 @@ class GridTransport:
 
     Args:
         grid: the ServerApp's grid.
+        num_clients: the run's clients (``0..num_clients-1``, the partitions).
         round_timeout: seconds a round (or an evaluation) waits for replies.
-        min_replies: the fewest replies a round needs: after ``round_timeout`` the
-            clients that have not answered are recorded as lost if at least this many
-            did, else the run stops (resumable from its last checkpoint).
+        min_replies: the fewest replies a round needs (all the sampled clients when fewer
+            are sampled), whatever keeps the others from replying (no SuperNode, a
+            SuperNode that cannot serve its client, an error, no reply within
+            ``round_timeout``); with fewer the run stops, resumable from its last
+            checkpoint. Otherwise the others are recorded as lost.
         wait_nodes: seconds to wait for a node of every client to come online.
         checkpointed: the round of the server's last checkpoint, sent with each train
             message (the clients keep the state a server resuming from it needs).
     """
 
     def __init__(
-        self, grid: Grid, round_timeout: float, min_replies: int, wait_nodes: float = 120.0,
+        self, grid: Grid, num_clients: int, round_timeout: float, min_replies: int, wait_nodes: float = 120.0,
         checkpointed: Callable[[], int] = lambda: 0,
     ) -> None:
         self.grid = grid
+        self.num_clients = num_clients
         self.round_timeout = round_timeout
         self.min_replies = min_replies
         self.wait_nodes = wait_nodes
         self.checkpointed = checkpointed
         self.partition_of: dict[int, int] = {}  # node id -> client id
+        self.unfit: dict[int, tuple[int | None, str]] = {}  # node id -> (its partition-id, why it cannot serve it)
         self.queries: dict[str, int] = {}  # message id of an unanswered query -> node id
 
     def train(
         self, t: int, cids: list[int], message_for: Callable[[int], dict[str, Any]], phases: list[Phase]
     ) -> Iterator[ClientOutcome]:
         """Train messages to the nodes of ``cids``; their outcomes as the replies arrive,
-        then the clients lost (no node, an error, or no reply within ``round_timeout``)."""
-        cid_of, absent = self.send(t, cids, message_for, MessageType.TRAIN, {"checkpointed": self.checkpointed()})
-        for cid in absent:
-            yield ClientOutcome(cid, None, lost=f"no SuperNode serves partition {cid}")
+        then the clients lost (no node, a node that cannot serve them, an error, or no
+        reply within ``round_timeout``). Raises :class:`ContraflError` when fewer than
+        ``min_replies`` replied (as soon as that is certain)."""
+        cid_of, lost = self.send(t, cids, message_for, MessageType.TRAIN, {"checkpointed": self.checkpointed()})
+        needed = min(self.min_replies, len(cids))
+        if len(cid_of) < needed:
+            raise self.too_few(t, f"{len(cid_of)} of {len(cids)} clients have a SuperNode that can serve them", lost)
         answered: set[str] = set()
         ok = 0
         for reply in self.replies(list(cid_of), self.round_timeout):
@@ -69,19 +81,28 @@ class GridTransport:
             cid = cid_of[message_id]
             if reply.has_error():
                 self.forget(cid)
-                yield ClientOutcome(cid, None, lost=f"error {reply.error.code}: {reply.error.reason}")
+                lost[cid] = reason_of(reply)
             else:
                 ok += 1
                 yield outcome_of(cid, decode(reply.content))
-        missing = sorted(set(cid_of) - answered)
-        if missing and ok < self.min_replies:
-            raise ContraflError(
-                f"round {t + 1}: {ok} of {len(cids)} clients replied within round_timeout="
-                f"{self.round_timeout:g}s, fewer than min_replies={self.min_replies}; resume the run once the SuperNodes are up"
-            )
-        for message_id in missing:
+        for message_id in set(cid_of) - answered:
             self.forget(cid_of[message_id])
-            yield ClientOutcome(cid_of[message_id], None, lost=f"no reply within {self.round_timeout:g}s")
+            lost[cid_of[message_id]] = f"no reply within {self.round_timeout:g}s"
+        if ok < needed:
+            raise self.too_few(t, f"{ok} of {len(cids)} clients replied", lost)
+        if cids and not ok:
+            print(f"round {t + 1}: no client replied (min_replies={self.min_replies}); the global model stays as it was", flush=True)
+        for cid, why in sorted(lost.items()):
+            yield ClientOutcome(cid, None, lost=why)
+
+    def too_few(self, t: int, replies: str, lost: dict[int, str]) -> ContraflError:
+        """The error that stops round ``t`` with ``replies`` (how many clients replied, or
+        could), fewer than it needs; ``lost``: why the others did not."""
+        why = "; ".join(f"client {cid}: {reason}" for cid, reason in sorted(lost.items()))
+        return ContraflError(
+            f"round {t + 1}: {replies}, fewer than min_replies={self.min_replies} ({why}); "
+            "resume the run once their SuperNodes are up and fit the run"
+        )
 
     def evaluate(
         self, t: int, cids: list[int], message_for: Callable[[int], dict[str, Any]]
@@ -98,9 +119,9 @@ class GridTransport:
 
     def send(
         self, t: int, cids: list[int], message_for: Callable[[int], dict[str, Any]], kind: str, extra: dict[str, Any]
-    ) -> tuple[dict[str, int], list[int]]:
+    ) -> tuple[dict[str, int], dict[int, str]]:
         """Push a ``kind`` message for round ``t`` to the node of each of ``cids``:
-        ``({message id: cid}, clients without a node)``."""
+        ``({message id: cid}, {client without a node: why})``."""
         node_of = self.nodes(cids)
         sent = [
             (cid, Message(encode({"round": t, "client": cid, "message": message_for(cid), **extra}), dst_node_id=node_of[cid], message_type=kind, group_id=str(t)))
@@ -108,11 +129,16 @@ class GridTransport:
             if cid in node_of
         ]
         cid_of = dict(zip(self.grid.push_messages([m for _, m in sent]), (cid for cid, _ in sent)))
-        return cid_of, [cid for cid in cids if cid not in node_of]
+        unfit = {cid: why for cid, why in self.unfit.values() if cid is not None}
+        return cid_of, {
+            cid: unfit.get(cid, f"no SuperNode serves partition {cid} (waited wait-nodes={self.wait_nodes:g}s)")
+            for cid in cids if cid not in node_of
+        }
 
     def replies(self, message_ids: list[str], timeout: float) -> Iterator[Message]:
         """The replies to ``message_ids`` as they arrive (polled every ``POLL_S``), until
-        all are in or ``timeout`` seconds have passed."""
+        all are in or ``timeout`` seconds have passed. Answers to queries that come in
+        meanwhile are collected too (an unfit SuperNode is reported as soon as it says so)."""
         pending = set(message_ids)
         deadline = time.monotonic() + timeout
         while pending:
@@ -123,29 +149,54 @@ class GridTransport:
             if pending:
                 if time.monotonic() > deadline:
                     return
+                if self.queries:
+                    self.collect_answers()
                 time.sleep(POLL_S)
 
     def nodes(self, cids: list[int]) -> dict[int, int]:
         """``{client id: node id}`` of the online SuperNodes the server knows, waiting
-        up to ``wait_nodes`` seconds for a node of each. Nodes not seen before are asked
-        which partition they serve (a query message); their answers are collected as
-        they come, so a node that never answers (it died) delays nothing."""
+        up to ``wait_nodes`` seconds for a node of each client, but not for clients
+        whose online nodes have all answered and cannot serve them. Nodes not seen
+        before are asked which partition they serve (a query message); their answers
+        are collected as they come, so a node that never answers (it died) delays
+        nothing."""
         deadline = time.monotonic() + self.wait_nodes
         while True:
+            self.collect_answers()
             online = {int(n) for n in self.grid.get_node_ids()}
             node_of = {cid: node for node, cid in self.partition_of.items() if node in online}
-            if all(cid in node_of for cid in cids) or time.monotonic() > deadline:
-                return node_of
             asked = set(self.queries.values())
-            new = sorted(n for n in online if n not in self.partition_of and n not in asked)
+            new = sorted(n for n in online if n not in self.partition_of and n not in self.unfit and n not in asked)
+            unfit = {cid for node, (cid, _) in self.unfit.items() if node in online} if not new and not asked & online else set()
+            if all(cid in node_of or cid in unfit for cid in cids) or time.monotonic() > deadline:
+                return node_of
             if new:
                 messages = [Message(RecordDict(), dst_node_id=n, message_type=MessageType.QUERY) for n in new]
                 self.queries.update(zip(self.grid.push_messages(messages), new))
-            for reply in self.grid.pull_messages(list(self.queries)) if self.queries else []:
-                node = self.queries.pop(reply.metadata.reply_to_message_id, None)
-                if node is not None and not reply.has_error():
-                    self.partition_of[node] = int(reply.content["info"]["partition-id"])
             time.sleep(POLL_S)
+
+    def collect_answers(self) -> None:
+        """The answers to the queries so far: the partition each node serves, or why it
+        cannot serve it (said once in the server's log; the node is not used)."""
+        for reply in self.grid.pull_messages(list(self.queries)) if self.queries else []:
+            node = self.queries.pop(reply.metadata.reply_to_message_id, None)
+            if node is None:
+                continue
+            info = {} if reply.has_error() else reply.content["info"]
+            cid = int(info["partition-id"]) if "partition-id" in info else None
+            if reply.has_error():
+                why = f"it did not say which partition it serves ({reason_of(reply)})"
+            elif "problem" in info:
+                why = str(info["problem"])
+            elif cid is None:
+                why = "it did not say which partition it serves"
+            elif not 0 <= cid < self.num_clients:
+                why = f"node config partition-id={cid} is not a client of the run (0..{self.num_clients - 1}); restart the SuperNode with the partition-id of the client it serves"
+            else:
+                self.partition_of[node] = cid
+                continue
+            self.unfit[node] = (cid, why)
+            print(f"SuperNode {node}{'' if cid is None else f' (partition-id={cid})'} is not used: {why}", flush=True)
 
     def forget(self, cid: int) -> None:
         """Drop the node of client ``cid``: a restarted SuperNode comes back with a new id."""
@@ -153,12 +204,24 @@ class GridTransport:
 
 
 def outcome_of(cid: int, tree: dict[str, Any]) -> ClientOutcome:
-    """A decoded reply (``payload``, ``num_samples``, ``loss``, ``steps``) as the client's
-    outcome; the reply names the client it came from, for the engine's validation."""
+    """A decoded reply (``payload``, ``num_samples``, ``loss``, ``steps``, the loss's
+    ``parts``) as the client's outcome; the reply names the client it came from, for the
+    engine's validation."""
     reply = Reply(cid, tree["num_samples"], tree["payload"])
-    return ClientOutcome(cid, reply, tree["loss"], int(tree["steps"]))
+    return ClientOutcome(cid, reply, tree["loss"], int(tree["steps"]), parts=tree["parts"])
 
 
-def info_record(partition_id: int) -> RecordDict:
-    """A query's answer: the partition a SuperNode serves."""
-    return RecordDict({"info": ConfigRecord({"partition-id": partition_id})})
+def reason_of(reply: Message) -> str:
+    """Why a client could not answer, from its error reply: a ClientApp's own one-line
+    message (:data:`USER_ERROR`), else Flower's error code and reason."""
+    error = reply.error
+    return str(error.reason) if error.code == USER_ERROR else f"error {error.code}: {error.reason}"
+
+
+def info_record(partition_id: int | None, problem: str | None = None) -> RecordDict:
+    """A query's answer: the partition a SuperNode serves (None: its node config does not
+    say), and why it cannot serve it, if it cannot."""
+    info: dict[str, int | str] = {} if partition_id is None else {"partition-id": partition_id}
+    if problem is not None:
+        info["problem"] = problem
+    return RecordDict({"info": ConfigRecord(info)})

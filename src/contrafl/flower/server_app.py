@@ -31,7 +31,8 @@ def main(grid: Grid, context: Context) -> None:
     setup = prepare(load_config(run_dir.path / "config.yaml"))
     sim = resume(setup, run_dir, Progress(setup.config.rounds))
     sim.transport = GridTransport(
-        grid, float(rc["round-timeout"]), int(rc["min-replies"]), float(rc["wait-nodes"]), checkpointed=lambda: sim.checkpointed
+        grid, setup.config.num_clients, float(rc["round-timeout"]), int(rc["min-replies"]), float(rc["wait-nodes"]),
+        checkpointed=lambda: sim.checkpointed,
     )
     summary = sim.run()
     print(f"contrafl: {summary['status']} after {summary['rounds_completed']} rounds; results in {run_dir.path}")

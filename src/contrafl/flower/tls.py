@@ -1,17 +1,20 @@
-"""Self-signed TLS certificates for a local Flower deployment.
+"""Self-signed TLS certificates for a Flower deployment.
 
 :func:`make_certificates` writes a throw-away certificate authority and a server
-certificate signed by it, valid for ``localhost``, ``127.0.0.1`` and ``::1``: the SuperLink
-gets the server certificate and key (``--ssl-certfile/--ssl-keyfile``, plus the CA as
-``--ssl-ca-certfile``), SuperNodes and the ``flwr`` CLI trust the CA
-(``--root-certificates`` / ``root-certificates``). They use the ``cryptography`` package,
-which flwr depends on; nothing shells out to ``openssl``.
+certificate signed by it, valid for the host names and addresses the SuperNodes and the
+``flwr`` CLI dial (by default ``localhost``, ``127.0.0.1`` and ``::1``, a deployment on
+one machine): the SuperLink gets the server certificate and key
+(``--ssl-certfile/--ssl-keyfile``, plus the CA as ``--ssl-ca-certfile``), SuperNodes and
+the ``flwr`` CLI trust the CA (``--root-certificates`` / ``root-certificates``). They use
+the ``cryptography`` package, which flwr depends on; nothing shells out to ``openssl``.
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import ipaddress
+import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,9 +23,11 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-#: Host names and addresses the server certificate is valid for.
-SERVER_DNS_NAMES = ("localhost",)
-SERVER_IP_ADDRESSES = ("127.0.0.1", "::1")
+from ..errors import ConfigError
+
+#: Host names and addresses the server certificate is valid for by default (one machine).
+LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1")
+_DNS_NAME = re.compile(r"(?=.{1,253}$)([A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?)(\.[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?)*\.?")
 
 
 @dataclass(frozen=True)
@@ -41,14 +46,34 @@ def _name(common_name: str) -> x509.Name:
     return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
 
 
-def make_certificates(folder: Path, *, valid_for: dt.timedelta = dt.timedelta(days=2)) -> TlsFiles:
-    """Write a CA and a server certificate for ``localhost``/``127.0.0.1``/``::1`` into
+def alt_name(host: str) -> x509.GeneralName:
+    """``host`` (an IPv4 or IPv6 address, or a DNS name) as a subject alternative name."""
+    try:
+        return x509.IPAddress(ipaddress.ip_address(host))
+    except ValueError:
+        pass
+    if not _DNS_NAME.fullmatch(host):
+        raise ConfigError(
+            f"server host {host!r} is neither an IP address nor a DNS name; give the name or "
+            "address the SuperNodes dial to reach the SuperLink, e.g. server.example.org or 10.0.0.5"
+        )
+    return x509.DNSName(host)
+
+
+def make_certificates(
+    folder: Path, hosts: Sequence[str] = LOCAL_HOSTS, *, valid_for: dt.timedelta = dt.timedelta(days=2)
+) -> TlsFiles:
+    """Write a CA and a server certificate for ``hosts`` (the host names and IP addresses
+    of the SuperLink that SuperNodes and the ``flwr`` CLI dial, and only those) into
     ``folder`` (created if needed; existing files are overwritten).
 
     Both certificates are valid from one hour before now (clock skew) until ``valid_for``
     after now. Keys are ECDSA P-256, signatures SHA-256. The CA key is not written: nothing
     else can ever be signed by this CA.
     """
+    if not hosts:
+        raise ConfigError("a server certificate needs at least one host name or address of the SuperLink")
+    alt_names = [alt_name(h) for h in hosts]
     folder.mkdir(parents=True, exist_ok=True)
     now = dt.datetime.now(dt.timezone.utc)
     not_before, not_after = now - dt.timedelta(hours=1), now + valid_for
@@ -77,11 +102,9 @@ def make_certificates(folder: Path, *, valid_for: dt.timedelta = dt.timedelta(da
     )
 
     server_key = ec.generate_private_key(ec.SECP256R1())
-    alt_names: list[x509.GeneralName] = [x509.DNSName(n) for n in SERVER_DNS_NAMES]
-    alt_names += [x509.IPAddress(ipaddress.ip_address(a)) for a in SERVER_IP_ADDRESSES]
     server_cert = (
         x509.CertificateBuilder()
-        .subject_name(_name("localhost"))
+        .subject_name(_name("contrafl SuperLink"))
         .issuer_name(ca_name)
         .public_key(server_key.public_key())
         .serial_number(x509.random_serial_number())

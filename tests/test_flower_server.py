@@ -1,0 +1,150 @@
+"""contrafl's ServerApp transport and ClientApp in one process (no Flower processes).
+
+A stand-in for the Flower grid hands every message to contrafl's ClientApp with the
+Context of the SuperNode it is addressed to, and turns what the ClientApp raises into
+the error reply Flower's runtime makes of it. Checked here: a round never goes on with
+fewer than ``min_replies`` replies, whatever keeps the clients from replying, and
+SuperNodes whose node config does not fit the run are reported in one line, by the
+server and by the node, and left out.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("flwr")
+
+from flwr.app import Context, Error, Message, RecordDict  # noqa: E402
+from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
+
+from contrafl.config import load_config  # noqa: E402
+from contrafl.engine.run_dir import RunDir  # noqa: E402
+from contrafl.engine.setup import prepare  # noqa: E402
+from contrafl.engine.simulation import resume  # noqa: E402
+from contrafl.errors import ContraflError  # noqa: E402
+from contrafl.flower import client_app  # noqa: E402
+from contrafl.flower.deploy import prepare_run  # noqa: E402
+from contrafl.flower.server import GridTransport  # noqa: E402
+from test_orchestra import tiny_cifar  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread", "task_identity")
+
+SETTINGS = ["algorithm=fedavg", "num_clients=3", "rounds=2", "local_epochs=1", "executor=sequential", "eval_personal=false"]
+WAIT_NODES = 0.3
+
+
+@pytest.fixture
+def task_identity(monkeypatch):
+    """The run, node and task ids Flower's runtime gives the process that makes messages."""
+    monkeypatch.setattr(TaskIdentity, "_run_id", 1)
+    monkeypatch.setattr(TaskIdentity, "_node_id", 1)
+    monkeypatch.setattr(TaskIdentity, "_task_id", 1)
+
+
+class StandInGrid:
+    """A grid whose SuperNodes (``{node id: node config}``) run contrafl's ClientApp on
+    each message at once, as Flower's runtime does: an exception becomes an error reply."""
+
+    def __init__(self, nodes: dict[int, dict], run_dir: Path) -> None:
+        self.nodes, self.run_config = nodes, {"run-dir": str(run_dir)}
+        self.replies: dict[str, Message] = {}
+
+    def get_node_ids(self) -> list[int]:
+        return list(self.nodes)
+
+    def push_messages(self, messages) -> list[str]:
+        ids = []
+        for message in messages:
+            message_id = message.metadata.__dict__["_message_id"] = str(uuid.uuid4())
+            node = message.metadata.dst_node_id
+            context = Context(1, node, dict(self.nodes[node]), RecordDict(), self.run_config)
+            try:
+                self.replies[message_id] = client_app.app(message, context)
+            except Exception as exc:  # what flwr's run_clientapp replies
+                self.replies[message_id] = Message(Error(2, f"{type(exc)}:<'{exc}'>"), reply_to=message)
+            ids.append(message_id)
+        return ids
+
+    def pull_messages(self, message_ids) -> list[Message]:
+        return [self.replies.pop(i) for i in list(message_ids) if i in self.replies]
+
+
+def run_on(path: Path, nodes: dict[int, dict], min_replies: int, settings: list[str] = SETTINGS) -> dict:
+    """The run of ``settings`` in ``path`` with its clients on ``nodes``: its summary (the
+    exception that stopped it is raised)."""
+    prepare_run(load_config(None, settings), path)
+    sim = resume(prepare(load_config(path / "config.yaml")), RunDir(path, resume=True))
+    sim.transport = GridTransport(StandInGrid(nodes, path), 3, round_timeout=5.0, min_replies=min_replies, wait_nodes=WAIT_NODES)
+    return sim.run()
+
+
+def rows(path: Path) -> list[dict]:
+    return [json.loads(x) for x in (path / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_supernodes_that_do_not_fit_the_run_are_reported_once_and_left_out(tmp_path, capsys):
+    """Client 0 has a SuperNode; the one meant for client 1 has no run directory, and the
+    one meant for client 2 says partition-id=7 (of a 3-client run). Each unfit node says
+    why in one line, in its log and in the server's, once, and is not used. With
+    min_replies=1 the rounds go on with client 0 alone, the others recorded as lost with
+    the reason; with min_replies=2 the first round stops the run at once."""
+    missing = tmp_path / "nowhere"
+    nodes = {11: {"partition-id": 0}, 12: {"partition-id": 7}, 13: {"partition-id": 1, "run-dir": str(missing)}}
+    run_dir_problem = (
+        f"node config run-dir='{missing}': no config.yaml and no partition.json there; copy config.yaml and partition.json "
+        "of the server's run directory to this machine and restart the SuperNode with --node-config run-dir set to their folder"
+    )
+    range_problem = "node config partition-id=7 is not a client of the run (0..2); restart the SuperNode with the partition-id of the client it serves"
+    absent = f"no SuperNode serves partition 2 (waited wait-nodes={WAIT_NODES:g}s)"
+
+    assert run_on(tmp_path / "one", nodes, min_replies=1)["status"] == "completed"
+    for row in rows(tmp_path / "one"):
+        assert row["lost"] == [{"client": 1, "reason": run_dir_problem}, {"client": 2, "reason": absent}]
+        assert row["local_steps"] > 0
+    out, err = capsys.readouterr()
+    assert out.splitlines() == [f"SuperNode 12 (partition-id=7) is not used: {range_problem}", f"SuperNode 13 (partition-id=1) is not used: {run_dir_problem}"]
+    assert err.splitlines() == [f"contrafl: {range_problem}", f"contrafl: {run_dir_problem}"]  # the nodes' logs
+
+    with pytest.raises(ContraflError) as stopped:
+        run_on(tmp_path / "two", nodes, min_replies=2)
+    assert str(stopped.value) == (
+        f"round 1: 1 of 3 clients have a SuperNode that can serve them, fewer than min_replies=2 (client 1: {run_dir_problem}; "
+        f"client 2: {absent}); resume the run once their SuperNodes are up and fit the run"
+    )
+    assert json.loads((tmp_path / "two" / "summary.json").read_text())["status"] == "failed"
+    assert rows(tmp_path / "two") == []
+
+
+def test_every_round_needs_min_replies_whatever_keeps_the_clients_from_replying(tmp_path, capsys):
+    """A round without any SuperNode stops the run (min_replies=1); min_replies=0 accepts
+    it, says so, and leaves the global model as it was. A client whose training fails
+    (the SuperNode's data-dir has no dataset files) counts as missing too: min_replies=3
+    stops the run, with the node's one-line reason."""
+    with pytest.raises(ContraflError, match=r"^round 1: 0 of 3 clients have a SuperNode that can serve them, fewer than min_replies=1 \(client 0: no SuperNode serves partition 0"):
+        run_on(tmp_path / "none", {}, min_replies=1)
+    capsys.readouterr()
+
+    assert run_on(tmp_path / "accepted", {}, min_replies=0)["status"] == "completed"
+    for row in rows(tmp_path / "accepted"):
+        assert row["local_steps"] == 0 and [lost["client"] for lost in row["lost"]] == [0, 1, 2]
+    assert capsys.readouterr().out.splitlines() == [
+        f"round {t}: no client replied (min_replies=0); the global model stays as it was" for t in (1, 2)
+    ]
+    initial = prepare(load_config(tmp_path / "accepted" / "config.yaml")).model.state_dict()
+    final = torch.load(tmp_path / "accepted" / "checkpoint.pt", weights_only=False)["server"]["model"]
+    assert all(torch.equal(v, final[k]) for k, v in initial.items())
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    settings = [*SETTINGS, "rounds=1", "batch_size=8", *tiny_cifar(tmp_path / "data")]
+    nodes = {11: {"partition-id": 0}, 12: {"partition-id": 1, "data-dir": str(empty)}, 13: {"partition-id": 2}}
+    with pytest.raises(ContraflError) as stopped:
+        run_on(tmp_path / "data-run", nodes, min_replies=3, settings=settings)
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith(f"contrafl: missing file {empty}/cifar-10-batches-py/")  # the node's log
+    assert str(stopped.value).startswith(f"round 1: 2 of 3 clients replied, fewer than min_replies=3 (client 1: {err[0].removeprefix('contrafl: ')}); ")
