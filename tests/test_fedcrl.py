@@ -8,8 +8,9 @@ import math
 import pytest
 import torch
 
-from contrafl.algorithms.base import Batch, Federation, ServerState, TaskView
+from contrafl.algorithms.base import Batch, Federation, Reply, ServerState, TaskView
 from contrafl.algorithms.fedcrl import FedCRL, FedCRLParams, adaptive_alpha
+from contrafl.algorithms.fedpac import FedPAC, FedPACParams
 from contrafl.algorithms.fedproto import FedProto, FedProtoParams
 from contrafl.algorithms.prototypes import (
     aggregate_prototypes,
@@ -201,3 +202,45 @@ def test_fedproto_loss_is_ce_plus_lambda_mse_to_the_global_prototypes():
     mse = ((0.5 - 1) ** 2 + 0.5**2 + 2.0**2 + (0.0 - 1) ** 2) / 4
     assert loss.item() == pytest.approx(ce.item() + 2.0 * mse, rel=1e-6)
     assert stats["proto_count"].tolist() == [1.0, 1.0, 0.0]
+
+
+def _proto_reply(cid: int, reps: list[list[float]], counts: list[int]) -> Reply:
+    return Reply(cid, sum(counts), {"prototypes": {"reps": torch.tensor(reps), "counts": torch.tensor(counts)}})
+
+
+@pytest.mark.parametrize("missing_label,kept", [("drop", False), ("keep", True)])
+def test_a_label_no_client_of_the_round_holds(missing_label, kept):
+    """PFLlib's FedProto and FedPAC rebuild the global prototypes from the round's uploads
+    (serverproto.py, serverpac.py): a label only an unsampled client holds has none the
+    next round (``missing_label=drop``, their default); ``keep`` (FedCRL's default,
+    [infer]) keeps the previous round's."""
+    algo = FedProto(FedProtoParams(missing_label=missing_label), _federation(names=("w",), rep_dim=2))
+    server = algo.init_server({"w": torch.zeros(1)})
+    first = algo.aggregate(server, [_proto_reply(0, [[1.0, 0.0], [0.0, 0.0], [3.0, 3.0]], [2, 0, 1])], 0)
+    assert first.extras["prototypes"]["mask"].tolist() == [True, False, True]
+    second = algo.aggregate(first, [_proto_reply(1, [[0.0, 1.0], [2.0, 2.0], [0.0, 0.0]], [1, 4, 0])], 1)
+    protos = second.extras["prototypes"]
+    assert protos["mask"].tolist() == [True, True, kept]
+    torch.testing.assert_close(protos["reps"][:2], torch.tensor([[0.0, 1.0], [2.0, 2.0]]))
+    if kept:
+        torch.testing.assert_close(protos["reps"][2], torch.tensor([3.0, 3.0]))
+    message = algo.broadcast(second, 2)["prototypes"]
+    assert bool(message["mask"][2]) is kept  # a dropped label is not in the clients' loss or prediction
+
+
+def test_missing_label_defaults_follow_the_reference_code():
+    assert FedProtoParams().missing_label == "drop" and FedPACParams().missing_label == "drop"
+    assert FedCRLParams().missing_label == "keep"
+
+
+def test_fedpac_drops_a_label_no_client_of_the_round_holds():
+    algo = FedPAC(FedPACParams(), _federation(names=("w", "l3.weight", "l3.bias"), rep_dim=2))
+    server = ServerState({"w": torch.zeros(2), "l3.weight": torch.zeros(3, 2), "l3.bias": torch.zeros(3)},
+                         {"prototypes": {"reps": torch.ones(3, 2), "mask": torch.tensor([True, True, True])}})
+    reply = _proto_reply(0, [[1.0, 0.0], [0.0, 0.0], [0.0, 0.0]], [2, 0, 0])
+    reply.payload.update({
+        "body": {"w": torch.ones(2)}, "head": {"l3.weight": torch.ones(3, 2), "l3.bias": torch.ones(3)},
+        "stats": {"V": torch.tensor(0.5), "h": torch.ones(3, 2)},
+    })
+    new = algo.aggregate(server, [reply], 1)
+    assert new.extras["prototypes"]["mask"].tolist() == [True, False, False]

@@ -134,6 +134,7 @@ NEUTRAL_VALUES: dict[str, Any] = {
     "model.projection_bn": False,
     "model.projection_bias": True,
     "model.projection_out_bn": False,
+    "algorithm.missing_label": "keep",
 }
 
 

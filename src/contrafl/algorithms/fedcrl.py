@@ -25,7 +25,16 @@ from .base import (
     model_state,
     spec_of,
 )
-from .prototypes import aggregate_prototypes, contrastive_loss, label_sums, local_prototypes, prototype_message
+from .prototypes import (
+    MISSING_LABEL,
+    MISSING_LABEL_DOC,
+    aggregate_prototypes,
+    contrastive_loss,
+    label_sums,
+    local_prototypes,
+    previous_for,
+    prototype_message,
+)
 from .prototypes import reply_spec as prototype_spec
 from .registry import ALGORITHMS
 from .split import body_head_forward, body_head_task, mix, split_head
@@ -44,6 +53,7 @@ class FedCRLParams:
         "alpha from the previous contrastive loss L: exp = exp(-s L) (reconstructed eq. 8), power = s^L, exp_inverse = exp(-L/s)",
     )
     weighting: str = P.param("counts", P.OneOf(("counts", "uniform")), "global label representations: label-volume weighted (eq. 6) or uniform mean")
+    missing_label: str = P.param("keep", MISSING_LABEL, MISSING_LABEL_DOC + " [infer]")
 
 
 def adaptive_alpha(loss: float, s: float, rule: str = "exp") -> float:
@@ -109,7 +119,7 @@ class FedCRL(Algorithm):
 
     def aggregate(self, server: ServerState, replies: list[Reply], round: int) -> ServerState:
         body = weighted_average([r.payload["body"] for r in replies], sample_weights(replies))
-        previous = server.extras.get("prototypes")
+        previous = previous_for(server.extras, self.params.missing_label)
         prototypes = aggregate_prototypes([r.payload["prototypes"] for r in replies], self.params.weighting, previous)
         return ServerState({**server.model, **body}, {**server.extras, "prototypes": prototypes})
 

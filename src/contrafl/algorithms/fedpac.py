@@ -29,7 +29,15 @@ from .base import (
     model_state,
     spec_of,
 )
-from .prototypes import aggregate_prototypes, predicted_prototypes, prototype_message, squared_distance_loss
+from .prototypes import (
+    MISSING_LABEL,
+    MISSING_LABEL_DOC,
+    aggregate_prototypes,
+    predicted_prototypes,
+    previous_for,
+    prototype_message,
+    squared_distance_loss,
+)
 from .prototypes import reply_spec as prototype_spec
 from .registry import ALGORITHMS
 from .split import body_head_forward, body_head_task, split_head
@@ -40,6 +48,7 @@ class FedPACParams:
     lam: float = P.param(1.0, P.Interval(0, None), "weight lambda of the feature alignment term lambda * MSE(phi(x), c^y) (PFLlib -lam 1.0)")
     head_epochs: int = P.param(1, P.Interval(1, None), "epochs of the head-only phase before the body epochs (FedPAC's and PFLlib's code: 1)")
     weighting: str = P.param("uniform", P.OneOf(("counts", "uniform")), "global prototypes: uniform mean over the clients holding the label (PFLlib) or label-count weighted")
+    missing_label: str = P.param("drop", MISSING_LABEL, MISSING_LABEL_DOC)
     eps: float = P.param(1e-3, P.Interval(0, 1, "left"), "combination weights <= eps are set to 0 (FedPAC's code: 1e-3)")
     eig_floor: float = P.param(0.01, P.Interval(0, None), "a P with a negative eigenvalue is rebuilt from its eigenpairs >= eig_floor (FedPAC's code: 0.01)")
     renormalize: bool = P.param(True, None, "rescale the weights to sum 1 after zeroing the small ones (FedPAC's and PFLlib's code do not)")
@@ -254,7 +263,7 @@ class FedPAC(Algorithm):
     def aggregate(self, server: ServerState, replies: list[Reply], round: int) -> ServerState:
         body = weighted_average([r.payload["body"] for r in replies], sample_weights(replies))
         prototypes = aggregate_prototypes(
-            [r.payload["prototypes"] for r in replies], self.params.weighting, server.extras.get("prototypes")
+            [r.payload["prototypes"] for r in replies], self.params.weighting, previous_for(server.extras, self.params.missing_label)
         )
         variances = torch.stack([r.payload["stats"]["V"] for r in replies])
         hs = torch.stack([r.payload["stats"]["h"] for r in replies])

@@ -23,10 +23,13 @@ from .base import (
     model_state,
 )
 from .prototypes import (
+    MISSING_LABEL,
+    MISSING_LABEL_DOC,
     aggregate_prototypes,
     label_sums,
     local_prototypes,
     nearest_prototype_scores,
+    previous_for,
     prototype_message,
     reply_spec as prototype_spec,
     squared_distance_loss,
@@ -40,6 +43,7 @@ class FedProtoParams:
     weighting: str = P.param(
         "uniform", P.OneOf(("uniform", "counts")), "global prototypes: unweighted mean over clients (PFLlib) or weighted by label counts (paper eq. 6)"
     )
+    missing_label: str = P.param("drop", MISSING_LABEL, MISSING_LABEL_DOC)
 
 
 @ALGORITHMS.register("fedproto")
@@ -57,8 +61,10 @@ class FedProto(Algorithm):
     before the first aggregation). Its local prototypes are the per-label means of the
     detached ``z`` of the samples it trained on. The server averages them per label over
     the clients holding the label: uniformly (PFLlib, default) or weighted by the label
-    counts (the paper). A client predicts the label of the nearest global prototype,
-    ``argmin_c ||phi_i(x) - C^c||^2``; before any prototype exists, its classifier.
+    counts (the paper); a label no client of the round holds has no global prototype that
+    round (PFLlib, ``missing_label=drop``) or keeps its previous one (``keep``). A client
+    predicts the label of the nearest global prototype, ``argmin_c ||phi_i(x) - C^c||^2``;
+    before any prototype exists, its classifier.
     """
 
     name = "fedproto"
@@ -75,7 +81,7 @@ class FedProto(Algorithm):
         return {"prototypes": prototype_spec(self.federation.num_classes, torch.float32)}
 
     def aggregate(self, server: ServerState, replies: list[Reply], round: int) -> ServerState:
-        previous = server.extras.get("prototypes")
+        previous = previous_for(server.extras, self.params.missing_label)
         protos = aggregate_prototypes([r.payload["prototypes"] for r in replies], self.params.weighting, previous)
         return ServerState(server.model, {**server.extras, "prototypes": protos})
 

@@ -6,7 +6,9 @@ summed over the local steps by the executor); their means are its local prototyp
 ``r_i^c = (1/|D_i^c|) sum_{x in D_i^c} phi_i(x)`` (FedCRL eq. 3, FedProto eq. 4). The
 server averages them per label over the clients that hold the label
 (:func:`aggregate_prototypes`), weighted by the label counts (FedCRL's label-volume
-weighting, FedProto's paper) or uniformly (PFLlib's FedProto).
+weighting, FedProto's paper) or uniformly (PFLlib's FedProto). A label that no replying
+client holds has no global prototype that round (PFLlib's FedProto and FedPAC rebuild the
+prototypes from the round's uploads), or keeps its previous one (``missing_label``).
 
 Prototypes travel as fixed-shape tensors so that every client of a round has the same
 task structure (needed to vectorize): ``reps`` ``[C, d]`` (zero rows for absent labels)
@@ -22,6 +24,7 @@ from typing import Any
 import torch
 from torch.nn import functional as F
 
+from .. import params as P
 from .base import ClientContext, TensorSpec
 
 
@@ -59,7 +62,8 @@ def aggregate_prototypes(
         counts:  r^c = sum_{i in N_c} |D_i^c| r_i^c / sum_{j in N_c} |D_j^c|   (FedCRL eq. 6)
         uniform: r^c = (1/|N_c|) sum_{i in N_c} r_i^c                         (PFLlib's FedProto)
 
-    A label no replying client holds keeps its ``previous`` global prototype, if any.
+    A label no replying client holds has none (``mask`` False), or keeps its ``previous``
+    global prototype when one is given.
     """
     counts = torch.stack([r["counts"] for r in replies]).to(torch.float64)  # [M, C]
     reps = torch.stack([r["reps"] for r in replies]).to(torch.float64)  # [M, C, d]
@@ -77,6 +81,19 @@ def aggregate_prototypes(
         out = torch.where(mask.unsqueeze(1), out, previous["reps"])
         mask = mask | previous["mask"]
     return {"reps": out, "mask": mask}
+
+
+MISSING_LABEL = P.OneOf(("drop", "keep"))
+MISSING_LABEL_DOC = (
+    "a label no client of the round holds: no global prototype that round (PFLlib rebuilds them "
+    "from the round's uploads) or keep its previous one"
+)
+
+
+def previous_for(extras: Mapping[str, Any], missing_label: str) -> Mapping[str, torch.Tensor] | None:
+    """The global prototypes an aggregation falls back on for labels nobody reported:
+    the server's current ones with ``missing_label="keep"``, none with ``"drop"``."""
+    return extras.get("prototypes") if missing_label == "keep" else None
 
 
 def prototype_message(extras: Mapping[str, Any]) -> dict[str, Any]:
