@@ -64,8 +64,8 @@ def test_overrides_and_errors(tmp_path):
     suite = _tiny_suite()
     cfg = suite.config("MOON", 1, ["rounds=7", "algorithm.temperature=0.2"])
     assert cfg.rounds == 7 and cfg.seed == 1 and cfg.algorithm.options == {"mu": 5, "temperature": "0.2"}
-    with pytest.raises(ConfigError, match="unknown method 'moon'"):
-        run_suite(suite, tmp_path, methods=["moon"])
+    with pytest.raises(ConfigError, match="unknown method 'moom' in tiny .did you mean 'MOON'"):
+        run_suite(suite, tmp_path, methods=["moom"])
     bad = Suite(name="bad", base={}, methods={"A": {"algorithm": {"name": "moon", "mu": -1}}})
     with pytest.raises(ConfigError, match="algorithm.mu=-1 is invalid"):
         run_suite(bad, tmp_path)

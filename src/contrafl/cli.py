@@ -228,15 +228,20 @@ def cmd_list(ns: argparse.Namespace) -> int:
     from .models.registry import HeadOptions
 
     what = ns.what
-    def options(cls: type, prefix: str) -> None:
+    def options(cls: type, prefix: str, inapplicable: dict[str, str] | None = None) -> None:
+        fields = {name for name, _, _ in P.describe(cls)}
         for name, default, doc in P.describe(cls):
-            print(f"      {prefix}.{name}={default}  {doc}")
+            when = (inapplicable or {}).get(name)
+            if when is None:
+                print(f"      {prefix}.{name}={default}  {doc}")
+            elif when.partition("=")[0] in fields:  # applies once that option is changed
+                print(f"      {prefix}.{name}={default}  {doc} (with {prefix}.{when})")
 
     if what in ("all", "algorithms"):
         print("algorithms (algorithm=NAME, options algorithm.OPTION=VALUE):")
         for name, cls in ALGORITHMS.items():
             print(f"  {name:<12} {cls.summary}")
-            options(cls.Params, "algorithm")
+            options(cls.Params, "algorithm", cls.inapplicable(cls.Params()))
     if what in ("all", "datasets"):
         print("datasets (dataset=NAME):")
         for name, spec in DATASETS.items():

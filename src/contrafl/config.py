@@ -249,13 +249,23 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
 
 def apply_overrides(tree: dict[str, Any], overrides: Sequence[str]) -> None:
     """Apply ``key=value`` overrides to a settings tree (component names first, so that
-    ``algorithm.mu=5 algorithm=moon`` keeps ``mu``)."""
+    ``algorithm.mu=5 algorithm=moon`` keeps ``mu``). An option of the run's algorithm may
+    also be written with the algorithm's name, ``moon.mu=5`` with ``algorithm=moon``, as
+    ``contrafl compare`` takes it."""
     pairs = parse_overrides(overrides)
     for key, value in sorted(pairs, key=lambda kv: "." in kv[0]):
         head, dot, option = key.partition(".")
+        if dot and head not in COMPONENTS:
+            algorithm = tree.get("algorithm") or Config().algorithm
+            if P.fold(head) != P.fold(algorithm.name):
+                close = P.suggest(head, list(COMPONENTS))
+                raise ConfigError(
+                    f"unknown setting {key!r}{close}; only {', '.join(COMPONENTS)} have options"
+                    + ("" if close else f", and NAME.OPTION sets an option of the run's algorithm NAME, here "
+                       f"{algorithm.name} (to run {head}: algorithm={head} {key}={value})")
+                )
+            head = "algorithm"
         if dot:
-            if head not in COMPONENTS:
-                raise ConfigError(f"unknown setting {key!r}{P.suggest(head, list(COMPONENTS))}; only {', '.join(COMPONENTS)} have options")
             old = tree.get(head) or getattr(Config(), head)
             tree[head] = Component(old.name, {**old.options, option: value})
         elif key in COMPONENTS:

@@ -338,6 +338,14 @@ class Algorithm:
         self.federation = federation
 
     @classmethod
+    def inapplicable(cls, params: Any) -> dict[str, str]:
+        """The options that have no effect with ``params``, each with the setting under
+        which it would (``{"ema": "method=byol"}``): ``contrafl list`` leaves them out or
+        names that setting, and a run that sets one to a value other than its default is
+        a configuration error."""
+        return {}
+
+    @classmethod
     def input_problem(cls, params: Any, input_shape: tuple[int, ...]) -> str | None:
         """Why the algorithm cannot train on samples of ``input_shape`` with ``params``
         (a sentence naming the setting and how to fix it), or None."""

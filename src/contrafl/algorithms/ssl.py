@@ -118,6 +118,16 @@ class SSLParams:
     share_target: bool = P.param(False, None, "BYOL: send and average the target network (FedU2) instead of keeping it on the client (FedBYOL)")
 
 
+METHOD_OPTIONS: dict[str, tuple[str, ...]] = {
+    "temperature": ("simclr",),
+    "self_similarity": ("simclr",),
+    "ema": ("byol",),
+    "share_target": ("byol",),
+    "predictor_hidden": ("byol", "simsiam"),
+}
+"""The options of :class:`SSLParams` that only some methods use, with those methods."""
+
+
 class SelfSupervised(Algorithm):
     """FedAvg over a self-supervised local objective.
 
@@ -155,6 +165,16 @@ class SelfSupervised(Algorithm):
             classifier=False,
             extra=(("rotation", 4),) if params.rotation > 0 else (),
         )
+
+    @classmethod
+    def inapplicable(cls, params: Any) -> dict[str, str]:
+        """The options of :class:`SSLParams` that the method does not use
+        (:data:`METHOD_OPTIONS`); algorithms with options of their own (Orchestra, FedX)
+        use all of theirs."""
+        if not isinstance(params, SSLParams):
+            return {}
+        method = cls.method_of(params)
+        return {option: "method=" + "|".join(methods) for option, methods in METHOD_OPTIONS.items() if method not in methods}
 
     @classmethod
     def input_problem(cls, params: Any, input_shape: tuple[int, ...]) -> str | None:

@@ -38,6 +38,7 @@ from ..registry import Registry
 __all__ = [
     "AUGMENTATIONS",
     "ColorJitter",
+    "FeatureCorruption",
     "GaussianBlur",
     "Normalize",
     "Op",
@@ -72,6 +73,11 @@ class Op(ABC):
     def sample(self, n: int, generator: torch.Generator) -> Params:
         """Random parameters for ``n`` samples (CPU tensors); none for deterministic ops."""
         return {}
+
+    def input_problem(self, shape: tuple[int, ...]) -> str | None:
+        """Why the op cannot take samples of ``shape`` and give samples of the same shape
+        (a phrase naming the op), or None. By default the op works on images ``[C, H, W]``."""
+        return None if len(shape) == 3 else f"{type(self).__name__} works on images [C, H, W]"
 
     @abstractmethod
     def apply(self, x: torch.Tensor, params: Params) -> torch.Tensor:
@@ -118,6 +124,11 @@ class Transform:
                 i += 1
         return x
 
+    def input_problem(self, shape: tuple[int, ...]) -> str | None:
+        """Why the transform cannot augment samples of ``shape`` (without the batch
+        dimension) into inputs of the same shape, or None (:meth:`Op.input_problem`)."""
+        return next((why for op in self.ops if (why := op.input_problem(shape)) is not None), None)
+
     def __repr__(self) -> str:
         return f"Transform({', '.join(map(repr, self.ops))})"
 
@@ -136,6 +147,10 @@ class Views:
     def __getitem__(self, view: int) -> Transform:
         return self.transforms[view % len(self.transforms)]
 
+    def input_problem(self, shape: tuple[int, ...]) -> str | None:
+        """The first problem of the views' pipelines (:meth:`Transform.input_problem`), or None."""
+        return next((why for t in self.transforms if (why := t.input_problem(shape)) is not None), None)
+
     def __repr__(self) -> str:
         return f"Views({', '.join(map(repr, self.transforms))})"
 
@@ -148,6 +163,9 @@ def view_transform(pipeline: Transform | Views, view: int) -> Transform:
 @dataclass(frozen=True)
 class ToFloat(Op):
     """``uint8`` pixels to floats in [0, 1]: ``x / 255``; floating inputs pass unchanged."""
+
+    def input_problem(self, shape: tuple[int, ...]) -> str | None:
+        return None
 
     def apply(self, x: torch.Tensor, params: Params) -> torch.Tensor:
         return _unit_float(x)
@@ -167,6 +185,11 @@ class Normalize(Op):
     def __post_init__(self) -> None:
         if len(self.mean) != len(self.std) or min(self.std) <= 0:
             raise ValueError(f"mean {self.mean} and std {self.std} need one entry per channel, std > 0")
+
+    def input_problem(self, shape: tuple[int, ...]) -> str | None:
+        if len(shape) != 3 or shape[0] != len(self.mean):
+            return f"Normalize has {len(self.mean)} channel means for images [{len(self.mean)}, H, W]"
+        return None
 
     def apply(self, x: torch.Tensor, params: Params) -> torch.Tensor:
         if x.dtype == torch.uint8:
@@ -340,6 +363,11 @@ class RandomResizedCrop(Op):
         if self.interpolation not in ("bilinear", "bicubic"):
             raise ValueError(f"interpolation {self.interpolation!r}: expected 'bilinear' or 'bicubic'")
 
+    def input_problem(self, shape: tuple[int, ...]) -> str | None:
+        if len(shape) != 3 or shape[1:] != (self.size, self.size):
+            return f"RandomResizedCrop resizes images [C, H, W] to {self.size} x {self.size}"
+        return None
+
     def sample(self, n: int, generator: torch.Generator) -> Params:
         shape = (n, self.attempts)
         area = torch.empty(shape, dtype=torch.float64).uniform_(*self.scale, generator=generator)
@@ -429,6 +457,9 @@ class ColorJitter(Op):
         if not 0 <= self.p <= 1:
             raise ValueError(f"ColorJitter probability p = {self.p} outside [0, 1]")
 
+    def input_problem(self, shape: tuple[int, ...]) -> str | None:
+        return None if len(shape) == 3 and shape[0] == 3 else f"{type(self).__name__} works on RGB images [3, H, W]"
+
     def sample(self, n: int, generator: torch.Generator) -> Params:
         """``apply [n]`` (bool), ``order [n, 4]`` (a permutation of brightness, contrast,
         saturation, hue = 0..3) and ``factor [n, 4]`` (in that op order), drawn in that order."""
@@ -467,6 +498,9 @@ class RandomGrayscale(Op):
     p: float = 0.1
 
     keys = ("gray",)
+
+    def input_problem(self, shape: tuple[int, ...]) -> str | None:
+        return None if len(shape) == 3 and shape[0] == 3 else f"{type(self).__name__} works on RGB images [3, H, W]"
 
     def sample(self, n: int, generator: torch.Generator) -> Params:
         return {"gray": torch.rand(n, generator=generator) < self.p}
@@ -575,6 +609,52 @@ class RandomSolarize(Op):
         return torch.where(invert, bound - x, x)
 
 
+@dataclass(frozen=True)
+class FeatureCorruption(Op):
+    """SCARF's random feature corruption (Bahri, Jiang, Tay, Metzler, "SCARF:
+    Self-Supervised Contrastive Learning using Random Feature Corruption", ICLR 2022) for
+    feature vectors ``[..., B, D]``: each feature ``j`` of each sample is, with probability
+    ``rate``, replaced by feature ``j`` of a sample ``d`` of the same batch drawn uniformly
+    (a draw from the feature's empirical marginal within the batch; SCARF draws from the
+    whole training set)::
+
+        out[i, j] = x[d_ij, j] if u_ij < rate else x[i, j],    u_ij ~ U[0, 1), d_ij ~ U{0..B-1}
+
+    The per-feature draws need the number of features, which :meth:`sample` does not see:
+    it draws one 32-bit ``seed`` per sample, and :meth:`apply` derives ``u_ij`` and
+    ``d_ij`` from ``(seed_i, j)`` with an integer hash (lowbias32), exact in int64
+    arithmetic on every device, so the executors agree whatever the batch layout.
+    """
+
+    rate: float = 0.6
+
+    keys = ("seed",)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rate <= 1:
+            raise ValueError(f"FeatureCorruption rate {self.rate} outside [0, 1]")
+
+    def input_problem(self, shape: tuple[int, ...]) -> str | None:
+        return None if len(shape) == 1 else "FeatureCorruption works on feature vectors [D]"
+
+    def sample(self, n: int, generator: torch.Generator) -> Params:
+        return {"seed": torch.randint(0, 2**32, (n,), dtype=torch.int64, generator=generator)}
+
+    def apply(self, x: torch.Tensor, params: Params) -> torch.Tensor:
+        seed = params["seed"]
+        if seed.shape != x.shape[:-1]:
+            raise ValueError(
+                f"parameters of shape {tuple(seed.shape)} do not match features of shape "
+                f"{tuple(x.shape)}; draw one row per sample with Transform.sample"
+            )
+        batch, features = x.shape[-2], x.shape[-1]
+        j = torch.arange(features, device=x.device)
+        u = _unit_interval(seed[..., None], _hash32(2 * j))  # [..., B, D]
+        donor = (_unit_interval(seed[..., None], _hash32(2 * j + 1)) * batch).long().clamp_(max=batch - 1)
+        x = _unit_float(x)
+        return torch.where(u < self.rate, x.gather(-2, donor), x)
+
+
 TransformFactory = Callable[[Sequence[float] | None, Sequence[float] | None], "Transform | Views"]
 
 AUGMENTATIONS: Registry[TransformFactory] = Registry("augmentation")
@@ -625,6 +705,14 @@ def simclr_transform(mean: Sequence[float] | None, std: Sequence[float] | None) 
         RandomHorizontalFlip(0.5),
     ]
     return _then_normalise(ops, mean, std)
+
+
+@AUGMENTATIONS.register("scarf")
+def scarf_transform(mean: Sequence[float] | None, std: Sequence[float] | None) -> Transform:
+    """Two-view augmentation of feature vectors (tabular data, scikit-learn's digits,
+    FedProx's synthetic data), selected with ``augment=scarf``: SCARF's random feature
+    corruption at its paper's rate 0.6 (:class:`FeatureCorruption`), then to float."""
+    return Transform(FeatureCorruption(0.6), ToFloat())
 
 
 @AUGMENTATIONS.register("finetune")
@@ -710,6 +798,29 @@ def _unit_float(x: torch.Tensor) -> torch.Tensor:
 def _check_rgb(x: torch.Tensor) -> None:
     if x.dim() < 3 or x.shape[-3] != 3:
         raise ValueError(f"colour augmentation needs RGB images [..., 3, H, W], got shape {tuple(x.shape)}")
+
+
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    """lowbias32 (C. Wellons' integer hash) of int64 values, taken modulo ``2^32``: a
+    bijection of 32-bit integers whose output bits all depend on every input bit. Products
+    are split into 16-bit halves so that they stay exact in int64."""
+    mask = 0xFFFFFFFF
+
+    def times(v: torch.Tensor, c: int) -> torch.Tensor:  # v * c mod 2^32
+        return (v * (c & 0xFFFF) + (((v * (c >> 16)) & 0xFFFF) << 16)) & mask
+
+    x = x & mask
+    x = x ^ (x >> 16)
+    x = times(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = times(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def _unit_interval(seed: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """Pseudo-random numbers in [0, 1) (float64) from 32-bit ``seed`` and ``key``
+    (broadcast): ``hash32(seed + key) / 2^32``."""
+    return _hash32(seed + key).to(torch.float64) / 2**32
 
 
 def _linear_taps(

@@ -43,6 +43,10 @@ class DatasetSpec:
         load: ``LoadRequest -> FederatedDataset``.
         default_model: model used when ``model=auto``.
         augment: name of the training augmentation pipeline in :mod:`contrafl.data.augment`.
+        ssl_augment: the pipeline of self-supervised algorithms, whose two views of a
+            sample must differ (FedU2's SimCLR pipeline on CIFAR, SCARF's feature
+            corruption on feature vectors); ``None``: none is known to suit the data, and
+            such a run must name its augmentation.
         recommended: defaults for ``auto`` settings (``batch_size``, ``rounds``,
             ``local_epochs``) taken from the papers that use the dataset.
         options: dataclass of dataset-specific options (``dataset.<option>=...``).
@@ -57,6 +61,7 @@ class DatasetSpec:
     default_model: str
     augment: str
     recommended: Mapping[str, Any]
+    ssl_augment: str | None = None
     options: type = P.NoOptions
     download: Callable[[Path], Path] | None = None
     needs_data_dir: bool = True

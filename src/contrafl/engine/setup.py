@@ -25,7 +25,7 @@ from ..config import Component, Config
 from ..data import augment
 from ..data.base import ArrayDataset, FederatedDataset
 from ..data.partition import PARTITIONS, Partition, make_partition
-from ..data.registry import DATASETS, LoadRequest
+from ..data.registry import DATASETS, DatasetSpec, LoadRequest
 from ..errors import ConfigError, DataError
 from ..models import MODELS, build_model
 from ..models.registry import split_options
@@ -101,7 +101,7 @@ def resolve(cfg: Config) -> Config:
     dataset_options = P.build(spec.options, cfg.dataset.options, "dataset")
     model_spec = MODELS.get(spec.default_model if P.fold(cfg.model.name) == "auto" else cfg.model.name)
     head, backbone = split_options(model_spec, cfg.model.options)
-    augment_name = augment.AUGMENTATIONS.canonical(spec.augment if P.fold(cfg.augment) == "auto" else cfg.augment)
+    augment_name = augment.AUGMENTATIONS.canonical(resolve_augment(cfg.augment, spec, algo_cls))
     partition = PARTITIONS.get(cfg.partition.name)
     partition_options = P.build(partition.options, cfg.partition.options, "partition")
     if cfg.pool and cfg.test_fraction == 0:
@@ -141,6 +141,23 @@ def resolve(cfg: Config) -> Config:
     executor = choose_executor(cfg, algo_cls, device)
     workers = (cfg.workers or cpu_cores()) if executor == "parallel" else 1
     return dataclasses.replace(cfg, executor=executor, workers=workers)
+
+
+def resolve_augment(name: str, spec: DatasetSpec, algo_cls: type[Algorithm]) -> str:
+    """The augmentation of ``augment=name``: ``auto`` is the dataset's pipeline, and for
+    self-supervised algorithms, whose views of a sample must differ, the dataset's
+    two-view pipeline (:attr:`DatasetSpec.ssl_augment`)."""
+    if P.fold(name) != "auto":
+        return name
+    if algo_cls.supervised:
+        return spec.augment
+    if spec.ssl_augment is None:
+        raise ConfigError(
+            f"algorithm {algo_cls.name} learns from differently augmented views of each sample, and dataset "
+            f"{spec.name} has no default two-view augmentation; set augment=NAME (`contrafl list augmentations`), "
+            "or augment=none to train on identical views"
+        )
+    return spec.ssl_augment
 
 
 def choose_executor(cfg: Config, algo_cls: type[Algorithm], device: torch.device) -> str:
@@ -192,9 +209,18 @@ def prepare(cfg: Config, partition: Partition | None = None) -> Setup:
             f"dataset {data.name} is federated by construction; use partition=natural "
             f"(got partition={cfg.partition.name})"
         )
-    why = algo_cls.input_problem(algo_params, tuple(data.train.x.shape[1:]))
+    shape = tuple(data.train.x.shape[1:])
+    why = algo_cls.input_problem(algo_params, shape)
     if why is not None:
         raise ConfigError(why)
+    train_transform = augment.AUGMENTATIONS.get(cfg.augment)(data.mean, data.std)
+    why = train_transform.input_problem(shape)
+    if why is not None:
+        fits = "augment=scarf or augment=none" if len(shape) == 1 else "augment=none or a pipeline for these images"
+        raise ConfigError(
+            f"augment={cfg.augment} cannot augment dataset {data.name}: {why}, and its samples have shape "
+            f"{list(shape)}; use {fits} (`contrafl list augmentations`)"
+        )
     labels = data.train.y.numpy()
     if cfg.num_clients > len(labels):
         raise ConfigError(
@@ -235,7 +261,7 @@ def prepare(cfg: Config, partition: Partition | None = None) -> Setup:
         algorithm=algo_cls(algo_params, federation),
         model=model,
         model_factory=model_factory,
-        train_transform=augment.AUGMENTATIONS.get(cfg.augment)(data.mean, data.std),
+        train_transform=train_transform,
         eval_transform=augment.eval_transform(data.mean, data.std),
         device=device,
         warnings=setup_warnings(requested, cfg, algo_cls, partition),
@@ -284,6 +310,20 @@ def setup_warnings(requested: Config, cfg: Config, algo_cls: type[Algorithm], pa
     """Settings that are valid but probably not what the user meant (``requested``: as
     given, ``cfg``: resolved)."""
     out = []
+    params, defaults = P.build(algo_cls.Params, cfg.algorithm.options, "algorithm"), algo_cls.Params()
+    for option, when in algo_cls.inapplicable(params).items():
+        if getattr(params, option) != getattr(defaults, option):
+            setting = when.partition("=")[0]
+            where = f"with algorithm.{when}" if hasattr(defaults, setting) else f"with {when}, and {algo_cls.name} has no {setting} option"
+            out.append(
+                f"algorithm.{option}={getattr(params, option)} has no effect on {algo_cls.name}: it applies only {where} "
+                "(`contrafl list algorithms` shows the options that apply)"
+            )
+    if not algo_cls.supervised and cfg.augment == "none":
+        out.append(
+            f"augment=none gives {algo_cls.name}'s views of a sample the same input, so its self-supervised "
+            f"loss compares a sample with itself; the dataset's two-view augmentation is augment=auto"
+        )
     if not algo_cls.samples_clients and requested.sample_fraction < 1:
         out.append(f"{algo_cls.name} trains every client every round; sample_fraction is ignored")
     if cfg.drop_last:

@@ -197,10 +197,15 @@ def run_suite(
 
     chosen = list(suite.methods)
     if methods:
-        for m in methods:
-            if m not in suite.methods and m not in base_methods(suite):
-                raise ConfigError(f"unknown method '{m}' in {suite.name}; the suite has: {', '.join(base_methods(suite))}")
-        chosen = [m for m in suite.methods if m in methods or split_method(suite, m)[1] in methods]
+        known = {P.fold(n): n for n in [*suite.methods, *base_methods(suite)]}  # names match as config names do
+        unknown = [m for m in methods if P.fold(m.strip()) not in known]
+        if unknown:
+            raise ConfigError(
+                f"unknown method '{unknown[0]}' in {suite.name}{P.suggest(unknown[0], list(known.values()))}; "
+                f"the suite has: {', '.join(base_methods(suite))}"
+            )
+        wanted = {known[P.fold(m.strip())] for m in methods}
+        chosen = [m for m in suite.methods if m in wanted or split_method(suite, m)[1] in wanted]
     for key, value in parse_overrides(overrides):
         if key == "seed":
             raise ConfigError(f"seed={value} is set by the suite for each run; choose seeds with --seeds (--seeds {value}, runs seed {value} alone)")
