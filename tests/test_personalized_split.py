@@ -285,6 +285,8 @@ def close_rows(a, b):
     for k, v in a.items():
         if isinstance(v, float):
             assert b[k] == pytest.approx(v, rel=1e-5, abs=1e-6), k
+        elif isinstance(v, dict):  # loss_parts
+            close_rows(v, b[k])
         else:
             assert b[k] == v, k
 

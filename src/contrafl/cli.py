@@ -168,8 +168,11 @@ def format_summary(summary: dict) -> str:
         parts.append(f"final test accuracy {final['test_acc']:.4f}")
     if "best_test_acc" in summary:
         parts.append(f"best {summary['best_test_acc']:.4f} (round {summary['best_round']})")
-    if "personal_acc" in final:
-        parts.append(f"client accuracy {final['personal_acc']:.4f} ± {final['personal_acc_std']:.4f}")
+    if "personal_acc" in final:  # PFLlib and FedCRL report the best round
+        parts.append(
+            f"client accuracy {final['personal_acc']:.4f} ± {final['personal_acc_std']:.4f}, best "
+            f"{summary['best_personal_acc']:.4f} ± {summary['best_personal_acc_std']:.4f} (round {summary['best_personal_round']})"
+        )
     if "knn_acc" in final:
         parts.append(f"kNN accuracy {final['knn_acc']:.4f}, best {summary['best_knn_acc']:.4f} (round {summary['best_knn_round']})")
     if summary.get("rounds_to_target") is not None or "target_accuracy" in summary:
@@ -317,7 +320,7 @@ def cmd_report(ns: argparse.Namespace) -> int:
     if ns.markdown and len(paths) == 1 and (paths[0] / SUITE_RECORD).is_file():
         print(suite_report(paths[0]))
         return 0
-    print(report(paths, target=ns.target, target_from=ns.target_from, markdown=ns.markdown))
+    print(report(paths, target=ns.target, target_from=ns.target_from, markdown=ns.markdown, clients=ns.clients))
     return 0
 
 
@@ -328,15 +331,22 @@ def cmd_eval_repr(ns: argparse.Namespace) -> int:
         Path(ns.run_dir), ns.protocol, label_fraction=ns.label_fraction, epochs=ns.epochs, seed=ns.seed,
         device=ns.device, clients=ns.clients, local=not ns.no_local,
     )
+    where = f"{ns.run_dir}: round {result['round']}"
+    untrained = "" if result["global_trained"] else "; the global encoder is still its initialisation and was not evaluated"
+    local = result.get("local", {})
     if ns.protocol == "spectrum":
-        ranks = [r["effective_rank"] for r in result.get("local", {}).values()]
-        local = f", local models of {len(ranks)} clients {min(ranks):.1f} to {max(ranks):.1f}" if ranks else ""
-        print(f"{ns.run_dir}: spectrum of {len(result['singular_values'])} singular values at round {result['round']}, "
-              f"effective rank {result['effective_rank']:.1f}{local}; saved in representation/spectrum.json and spectrum.png")
+        ranks = [r["effective_rank"] for r in local.values()]
+        parts = [f"global model's effective rank {result['effective_rank']:.1f}"] if result["global_trained"] else []
+        if ranks:
+            parts.append(f"local models of {len(ranks)} clients {min(ranks):.1f} to {max(ranks):.1f}")
+        print(f"{where}: spectrum, {', '.join(parts)}{untrained}; saved in representation/spectrum.json and spectrum.png")
     else:
         what = {"knn": "kNN", "linear": "linear-probe", "finetune": f"fine-tuning ({result.get('label_fraction', 0):.0%} labels)"}
-        print(f"{ns.run_dir}: {what[ns.protocol]} accuracy {result['acc']:.4f} (global model of round {result['round']}; "
-              f"saved in representation/)")
+        parts = [f"global model {result['acc']:.4f}"] if "acc" in result else []
+        if local:
+            accs = [r["acc"] for r in local.values()]
+            parts.append(f"local models of {len(accs)} clients {min(accs):.4f} to {max(accs):.4f} (mean {sum(accs) / len(accs):.4f})")
+        print(f"{where}: {what[ns.protocol]} accuracy of the {', '.join(parts)}{untrained}; saved in representation/")
     return 0
 
 
@@ -585,7 +595,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--seed", type=int, default=0, help="seed of the probe's initialisation, order and labelled subset")
     ev.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     ev.add_argument("--clients", metavar="IDS",
-                    help="spectrum: clients whose local models are added, e.g. 0,3,5 or all (default: the first 10)")
+                    help="knn, spectrum: clients whose local models are added, e.g. 0,3,5 or all "
+                         "(spectrum, and runs without a trained global encoder: the first 10 by default)")
     ev.add_argument("--no-local", action="store_true", help="spectrum: the global model only")
     ev.set_defaults(func=cmd_eval_repr)
 
@@ -611,6 +622,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "markdown file (docs/results.md) from its suite directory")
     rep.add_argument("--target", type=float, help="accuracy to reach, e.g. 0.68")
     rep.add_argument("--target-from", metavar="RUN_DIR", help="use this run's final accuracy as the target (e.g. FedAvg's)")
+    rep.add_argument("--clients", action="store_true",
+                     help="add each run's per-client accuracy, loss and test samples (final and best round) "
+                          "and their spread (std, worst 10%% of clients)")
     rep.set_defaults(func=cmd_report)
     return parser
 

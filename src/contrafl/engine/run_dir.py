@@ -3,12 +3,14 @@
 
 ``metrics.jsonl`` holds only quantities that are a deterministic function of the
 configuration (no wall-clock times), so two runs with the same seed and config produce
-identical files on the CPU; timings go to ``timing.jsonl`` and ``summary.json``.
+identical files on the CPU; timings go to ``timing.jsonl`` and ``summary.json``. Every
+JSON file is strict JSON: a non-finite number (a diverged loss) is written as ``null``.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from pathlib import Path
@@ -60,6 +62,24 @@ def fsync_dir(path: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def finite(obj: Any) -> Any:
+    """``obj`` with every non-finite float (NaN, infinities) replaced by ``None``, in
+    nested dicts, lists and tuples: what strict JSON can hold (:func:`to_json`)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite(v) for v in obj]
+    return obj
+
+
+def to_json(obj: Any, indent: int | None = None) -> str:
+    """Strict JSON of ``obj`` (RFC 8259: no NaN or Infinity, which many parsers reject):
+    non-finite floats are written as ``null``."""
+    return json.dumps(finite(obj), indent=indent, allow_nan=False)
 
 
 def read_summary(path: Path) -> dict[str, Any]:
@@ -123,17 +143,17 @@ class RunDir:
         write_atomic(self.path / name, lambda f: f.write(text.encode()))
 
     def write_json(self, name: str, obj: Any) -> None:
-        self.write_text(name, json.dumps(obj, indent=2) + "\n")
+        self.write_text(name, to_json(obj, indent=2) + "\n")
 
     def append(self, name: str, row: dict[str, Any]) -> None:
         with open(self.path / name, "a") as f:
-            f.write(json.dumps(row) + "\n")
+            f.write(to_json(row) + "\n")
 
     def truncate(self, rounds: int, metrics: list[dict[str, Any]]) -> None:
         """Cut the per-round files back to the first ``rounds`` rounds (a resumed run
         recomputes the later ones): ``metrics.jsonl`` is rewritten from ``metrics``,
         ``timing.jsonl`` keeps its rows of those rounds."""
-        self.write_text("metrics.jsonl", "".join(json.dumps(row) + "\n" for row in metrics))
+        self.write_text("metrics.jsonl", "".join(to_json(row) + "\n" for row in metrics))
         timing = self.path / "timing.jsonl"
         if timing.is_file():
             kept = []

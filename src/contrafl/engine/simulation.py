@@ -24,7 +24,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -92,14 +92,24 @@ class Context:
 @dataclass
 class ClientOutcome:
     """One client's part of a round as the server sees it: its reply with the training
-    loss summed over its steps and the number of steps, or ``reply=None`` and why
-    (``lost``: the client never answered, e.g. its process died)."""
+    loss and the loss's parts (:func:`loss_parts`) summed over its steps and the number
+    of steps, or ``reply=None`` and why (``lost``: the client never answered, e.g. its
+    process died)."""
 
     cid: int
     reply: Reply | None
     loss: float | None = None
     steps: int = 0
     lost: str | None = None
+    parts: dict[str, float] = field(default_factory=dict)
+
+
+def loss_parts(stats: dict[str, torch.Tensor]) -> dict[str, float]:
+    """The parts of a client's loss among the statistics of its local training (summed
+    over its steps): every scalar statistic but the total ``loss`` (MOON's ``ce`` and
+    ``con``, FedU2's ``align`` and ``uniformity``, ...), unweighted as the algorithm
+    computed them."""
+    return {k: float(v) for k, v in stats.items() if k != "loss" and v.dim() == 0}
 
 
 Scores = dict[str, float]
@@ -360,7 +370,7 @@ class Simulation:
             if entry["algorithm"] or entry["optimizer"] is not None or job.cid in self.store:
                 self.store.put(job.cid, entry)
             loss = float(result.stats["loss"]) if "loss" in result.stats else None
-            yield ClientOutcome(job.cid, reply, loss, result.steps)
+            yield ClientOutcome(job.cid, reply, loss, result.steps, parts=loss_parts(result.stats))
 
     def run_round(self, t: int) -> dict[str, Any]:
         cfg, algo = self.cfg, self.algorithm
@@ -407,6 +417,7 @@ class Simulation:
                 rejected[cid] = self.reject(cid, reason, t)
             if outcome.loss is not None:
                 losses[cid] = outcome.loss
+            parts[cid] = outcome.parts
             steps += outcome.steps
             if self.progress is not None:
                 self.progress.clients(t + 1, done, len(sampled))
@@ -429,6 +440,9 @@ class Simulation:
             "train_loss": sum(losses[c] for c in sorted(losses)) / steps if steps else None,
             "local_steps": steps,
         }
+        names = sorted({name for c in parts for name in parts[c]})
+        if steps and names:  # each part's sum over the round's steps / steps, as train_loss
+            row["loss_parts"] = {n: sum(parts[c].get(n, 0.0) for c in sorted(parts)) / steps for n in names}
         if rejected:
             row["rejected"] = [{"client": cid, "reason": why} for cid, why in sorted(rejected.items())]
         if lost:
@@ -516,32 +530,34 @@ class Simulation:
         (:meth:`~contrafl.algorithms.base.Algorithm.personal_model`) on its local test
         split (the global test set without one). ``personal_acc`` is the sample-weighted
         accuracy ``sum_i correct_i / sum_i n_i``, ``personal_acc_std`` the population std
-        of the clients' accuracies and ``personal_acc_mean`` their unweighted mean (sums
-        in client order, whatever order the scores arrive in)."""
+        of the clients' accuracies, ``personal_acc_mean`` their unweighted mean and
+        ``personal_loss`` the sample-weighted loss (when every client's model has one;
+        FedProto's prototype distances have none); sums in client order, whatever order
+        the scores arrive in. ``client_acc``, ``client_loss`` and ``client_n`` list every
+        client's own values by client id (``None`` for a client without a personal model,
+        test samples or reply)."""
         algo = self.algorithm
         message = algo.broadcast(self.server, next_round)
         evaluate_round = self.transport.evaluate if self.transport is not None else self.evaluate_locally
-        scores = dict(evaluate_round(next_round, list(range(self.cfg.num_clients)), lambda cid: algo.message_for(message, self.server, cid, next_round)))
-        accs: list[float] = []
-        correct = loss = 0.0
-        total = 0
-        for cid in sorted(scores):
-            res = scores[cid]
-            if res is not None and res["n"]:
-                accs.append(res["acc"])
-                correct += res["acc"] * res["n"]
-                loss += res["loss"] * res["n"]
-                total += res["n"]
-        if not accs:
+        clients = list(range(self.cfg.num_clients))
+        scores = dict(evaluate_round(next_round, clients, lambda cid: algo.message_for(message, self.server, cid, next_round)))
+        scored = [scores[cid] for cid in clients if scores.get(cid) is not None and scores[cid]["n"]]
+        if not scored:
             return {}
+        accs = [res["acc"] for res in scored]
+        total = sum(res["n"] for res in scored)
         mean, std = mean_std(accs)
-        return {
-            "personal_acc": correct / total,
+        out: dict[str, Any] = {
+            "personal_acc": sum(res["acc"] * res["n"] for res in scored) / total,
             "personal_acc_std": std,
             "personal_acc_mean": mean,
-            "personal_loss": loss / total,
-            "personal_clients": len(accs),
         }
+        if all(res["loss"] is not None for res in scored):
+            out["personal_loss"] = sum(res["loss"] * res["n"] for res in scored) / total
+        out["personal_clients"] = len(scored)
+        for key in ("acc", "loss", "n"):
+            out[f"client_{key}"] = [None if scores.get(cid) is None else scores[cid][key] for cid in clients]
+        return out
 
     def evaluate_locally(
         self, t: int, cids: list[int], message_for: Callable[[int], dict[str, Any]]
@@ -579,7 +595,7 @@ class Simulation:
             "rounds_completed": self.rounds_done,
             "checkpointed_rounds": self.checkpointed,
             "rounds": self.cfg.rounds,
-            "final": {k: v for k, v in last.items() if k not in ("clients", "bytes_down", "bytes_up")},
+            "final": {k: v for k, v in last.items() if k not in ("clients", "bytes_down", "bytes_up") and not k.startswith("client_")},
         }
         accs = [r["test_acc"] for r in evaluated if "test_acc" in r]
         if accs:

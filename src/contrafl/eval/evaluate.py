@@ -19,14 +19,16 @@ def evaluate(
     transform: Callable[[torch.Tensor], torch.Tensor],
     batch_size: int,
     scores: Callable[[ModelOutput], torch.Tensor] | None = None,
-) -> dict[str, float]:
-    """Top-1 accuracy and mean cross-entropy of ``state`` (eval mode) on ``(x, y)``.
+) -> dict[str, float | int | None]:
+    """Top-1 accuracy and mean cross-entropy of ``state`` (eval mode) on ``(x, y)``:
+    ``{"acc", "loss", "n"}``.
 
     The prediction is the argmax of ``scores(outputs)`` (default: the logits); the loss
-    is the cross-entropy of the logits, and NaN when a score function replaces them.
+    is the cross-entropy of the logits, and ``None`` when a score function replaces them
+    (FedProto's distances to prototypes are no logits). Without samples both are ``None``.
     """
     if len(y) == 0:
-        return {"acc": float("nan"), "loss": float("nan"), "n": 0}
+        return {"acc": None, "loss": None, "n": 0}
     correct = torch.zeros((), dtype=torch.long, device=y.device)
     loss = torch.zeros((), dtype=torch.float64, device=y.device)
     for i in range(0, len(y), batch_size):
@@ -37,4 +39,4 @@ def evaluate(
         if scores is None:
             loss += F.cross_entropy(out.logits.float(), target, reduction="sum").double()
     n = len(y)
-    return {"acc": correct.item() / n, "loss": loss.item() / n if scores is None else float("nan"), "n": n}
+    return {"acc": correct.item() / n, "loss": loss.item() / n if scores is None else None, "n": n}

@@ -25,7 +25,6 @@ Each result is written to ``RUN_DIR/representation/<protocol>.json`` (``finetune
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -36,6 +35,7 @@ import numpy as np
 import torch
 
 from ..data import augment
+from ..engine.run_dir import to_json
 from ..errors import ContraflError
 from .representation import extract_features, finetune, knn_accuracy, linear_probe, singular_spectrum
 
@@ -119,14 +119,30 @@ def evaluate_run(
 ) -> dict[str, Any]:
     """Evaluate the global model of ``run_dir`` by ``protocol``; the result (also written
     to the run directory). ``spectrum`` adds the local models of ``clients``
-    (:func:`client_ids`) unless ``local`` is false."""
+    (:func:`client_ids`) unless ``local`` is false, and ``knn`` those of ``clients``
+    when given.
+
+    A global encoder that is still its initialisation (FedProto and SOLO share no model,
+    FedGH and LG-FedAvg no encoder) is not evaluated: ``global_trained`` is false, ``knn``
+    and ``spectrum`` evaluate the local models of ``clients`` (the first ones by
+    default), and ``linear`` and ``finetune``, which train on the global encoder, stop
+    with an error."""
     if protocol not in PROTOCOLS:
         raise ContraflError(f"protocol {protocol!r} is not one of {', '.join(PROTOCOLS)}")
     if protocol == "finetune" and not 0 < label_fraction <= 1:
         raise ContraflError(f"--label-fraction {label_fraction} must lie in (0, 1], e.g. 0.01 or 0.1")
+    if protocol in ("linear", "finetune") and clients is not None:
+        raise ContraflError(f"--clients selects local models for --protocol knn or spectrum; {protocol} evaluates the global encoder only")
     run = _load(Path(run_dir), device)
     cfg, tf = run.setup.config, run.setup.eval_transform
-    cids = client_ids(clients, cfg.num_clients) if protocol == "spectrum" and local else []
+    trained = global_encoder_trained(run)
+    if not trained and protocol in ("linear", "finetune"):
+        raise ContraflError(
+            f"the global encoder of {run_dir} is still its initialisation ({cfg.algorithm.name} trains no global encoder); "
+            "evaluate the clients' own models with --protocol knn or spectrum and --clients"
+        )
+    wants_local = (protocol == "spectrum" and local) or (protocol == "knn" and clients is not None) or not trained
+    cids = client_ids(clients, cfg.num_clients) if wants_local else []
     classes = run.setup.data.num_classes
     bs = cfg.eval_batch_size
     g = torch.Generator().manual_seed(seed)
@@ -134,22 +150,39 @@ def evaluate_run(
     def encode(x: torch.Tensor) -> torch.Tensor:
         return run.net(run.state, x, train=False).h
 
-    out: dict[str, Any] = {"protocol": protocol, "round": run.round, "train_samples": len(run.y_train), "test_samples": len(run.y_test)}
+    out: dict[str, Any] = {
+        "protocol": protocol, "round": run.round, "train_samples": len(run.y_train), "test_samples": len(run.y_test),
+        "global_trained": trained,
+    }
     name = protocol
-    with torch.no_grad():
-        test_f = extract_features(encode, run.x_test, tf, bs)
+    encoders = {"global": encode} if trained else {}
+    if cids:
+        out["local_from_round"] = run.round
+        encoders.update({str(cid): e for cid, e in _local_encoders(run, Path(run_dir), cids).items()})
     if protocol == "spectrum":
-        out.update(_spectrum_record(test_f))
-        if cids:
-            out["local_from_round"] = run.round
-            out["local"] = {str(cid): record for cid, record in _local_spectra(run, Path(run_dir), cids).items()}
+        for who, enc in encoders.items():
+            with torch.no_grad():
+                record = _spectrum_record(extract_features(enc, run.x_test, tf, bs))
+            if who == "global":
+                out.update(record)
+            else:
+                out.setdefault("local", {})[who] = record
+    elif protocol == "knn":
+        out.update(k=cfg.knn_k, temperature=cfg.knn_temperature)
+        for who, enc in encoders.items():
+            with torch.no_grad():
+                train_f = extract_features(enc, run.x_train, tf, bs)
+                test_f = extract_features(enc, run.x_test, tf, bs)
+            acc = knn_accuracy(train_f, run.y_train, test_f, run.y_test, classes, cfg.knn_k, cfg.knn_temperature)
+            if who == "global":
+                out["acc"] = acc
+            else:
+                out.setdefault("local", {})[who] = {"acc": acc}
     else:
         with torch.no_grad():
             train_f = extract_features(encode, run.x_train, tf, bs)
-    if protocol == "knn":
-        out.update(k=cfg.knn_k, temperature=cfg.knn_temperature)
-        out["acc"] = knn_accuracy(train_f, run.y_train, test_f, run.y_test, classes, cfg.knn_k, cfg.knn_temperature)
-    elif protocol == "linear":
+            test_f = extract_features(encode, run.x_test, tf, bs)
+    if protocol == "linear":
         epochs = epochs or 200
         res = linear_probe(train_f, run.y_train, test_f, run.y_test, classes, epochs=epochs, generator=g)
         out.update(epochs=epochs, lr=3e-3, batch_size=512, acc=res.acc, best_acc=res.best_acc)
@@ -175,11 +208,19 @@ def evaluate_run(
     out["seed"] = seed
     folder = Path(run_dir) / "representation"
     folder.mkdir(exist_ok=True)
-    (folder / f"{name}.json").write_text(json.dumps(out, indent=1) + "\n")
+    (folder / f"{name}.json").write_text(to_json(out, indent=1) + "\n")
     if protocol == "spectrum":
-        local_logs = {f"client {cid}": r["log_singular_values"] for cid, r in out.get("local", {}).items()}
-        _plot_spectrum(out["log_singular_values"], local_logs, folder / "spectrum.png", f"{cfg.algorithm.name}, round {run.round}")
+        local_records = {f"client {cid}": r for cid, r in out.get("local", {}).items()}
+        _plot_spectrum(out if trained else None, local_records, folder / "spectrum.png", f"{cfg.algorithm.name}, round {run.round}")
     return out
+
+
+def global_encoder_trained(run: _Loaded) -> bool:
+    """Whether the checkpoint's global encoder (the ``features.`` part of the server's
+    model) differs from the run's initial global model, i.e. whether the run ever trained
+    and aggregated an encoder."""
+    initial = run.setup.model.state_dict()
+    return any(not torch.equal(v, initial[k]) for k, v in run.state.items() if k.startswith("features."))
 
 
 def effective_rank(singular_values: torch.Tensor) -> float:
@@ -199,51 +240,69 @@ def effective_rank(singular_values: torch.Tensor) -> float:
 
 
 def _spectrum_record(features: torch.Tensor) -> dict[str, Any]:
+    """The spectrum of ``features`` (:func:`singular_spectrum`), its effective rank, and
+    the singular values that are numerically zero: those below ``tol = sigma_1 D eps``
+    (numpy's ``matrix_rank`` tolerance, ``eps`` of the features' dtype, float32's for
+    float32 features) are rounding noise of a rank-deficient covariance, however small
+    their logarithm (-160 is common); ``numerical_rank`` counts the others."""
     spectrum = singular_spectrum(features)
+    sigma = spectrum.singular_values
+    tol = float(sigma.max()) * sigma.numel() * torch.finfo(features.dtype).eps
     return {
-        "singular_values": spectrum.singular_values.tolist(),
+        "singular_values": sigma.tolist(),
         "log_singular_values": spectrum.log_singular_values.tolist(),
-        "effective_rank": effective_rank(spectrum.singular_values),
+        "effective_rank": effective_rank(sigma),
+        "numerical_rank": int((sigma > tol).sum()),
+        "log_tolerance": math.log(tol) if tol > 0 else None,
     }
 
 
-def _local_spectra(run: _Loaded, run_dir: Path, cids: list[int]) -> dict[int, dict[str, Any]]:
-    """The spectra of the local models of clients ``cids``: from the checkpoint's server
-    state and each client's stored state, one round of local training (the round after
-    the checkpoint's, trained as the run trains it:
-    :meth:`~contrafl.engine.simulation.Simulation.local_models`) without aggregating
-    and without writing to ``run_dir`` (:func:`~contrafl.engine.simulation.read_only`);
-    then the test features of each trained model as for the global one. Parts of the
-    architecture a client does not train are the global model's."""
+def _local_encoders(run: _Loaded, run_dir: Path, cids: list[int]) -> dict[int, Any]:
+    """The encoders of the local models of clients ``cids``: from the checkpoint's
+    server state and each client's stored state, one round of local training (the round
+    after the checkpoint's, trained as the run trains it:
+    :meth:`~contrafl.engine.simulation.Simulation.local_models`) without aggregating and
+    without writing to ``run_dir`` (:func:`~contrafl.engine.simulation.read_only`). Parts
+    of the architecture a client does not train are the global model's."""
     from ..engine.simulation import read_only
 
-    cfg, tf = run.setup.config, run.setup.eval_transform
     sim = read_only(run.setup, run_dir, run.checkpoint, cids)
     try:
         models = sim.local_models(cids)
     finally:
         sim.store.close()
-    out = {}
-    for cid in cids:
-        state = {**run.state, **models[cid]}
-        with torch.no_grad():
-            features = extract_features(lambda x: run.net(state, x, train=False).h, run.x_test, tf, cfg.eval_batch_size)
-        out[cid] = _spectrum_record(features)
-    return out
+
+    def encoder(state: dict[str, torch.Tensor]) -> Any:
+        return lambda x: run.net(state, x, train=False).h
+
+    return {cid: encoder({**run.state, **models[cid]}) for cid in cids}
 
 
-def _plot_spectrum(log_values: list[float], local: dict[str, list[float]], path: Path, title: str) -> None:
-    """The global curve and, thinner and lighter, every local one."""
+def _plot_spectrum(global_record: dict[str, Any] | None, local: dict[str, dict[str, Any]], path: Path, title: str) -> None:
+    """The global curve (when the global encoder was evaluated) and, thinner and lighter,
+    every local one; each curve stops at its numerical rank (:func:`_spectrum_record`),
+    and a dashed line marks the largest tolerance, below which values are rounding
+    noise."""
     import matplotlib
 
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
 
+    def significant(record: dict[str, Any]) -> list[float]:
+        return record["log_singular_values"][: record["numerical_rank"]]
+
     fig, ax = plt.subplots(figsize=(5, 3.5))
-    ax.plot(range(1, len(log_values) + 1), log_values, color="black", linewidth=2, label="global", zorder=3)
-    for label, values in local.items():
+    if global_record is not None:
+        values = significant(global_record)
+        ax.plot(range(1, len(values) + 1), values, color="black", linewidth=2, label="global", zorder=3)
+    for label, record in local.items():
+        values = significant(record)
         ax.plot(range(1, len(values) + 1), values, linewidth=0.8, alpha=0.5, label=label)
-    if local:
+    records = ([global_record] if global_record is not None else []) + list(local.values())
+    tolerances = [r["log_tolerance"] for r in records if r["log_tolerance"] is not None]
+    if tolerances:
+        ax.axhline(max(tolerances), color="grey", linestyle="--", linewidth=0.8, label="numerical zero")
+    if local or tolerances:
         ax.legend(fontsize="x-small", ncol=2)
     ax.set_xlabel("singular value rank")
     ax.set_ylabel("log singular value")

@@ -252,7 +252,7 @@ def run_suite(
     out.mkdir(parents=True, exist_ok=True)
     record = {"suite": dataclasses.asdict(suite), "overrides": list(overrides)}
     (out / SUITE_RECORD).write_text(json.dumps(record, indent=2) + "\n")
-    (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    (out / "results.json").write_text(to_json(results, indent=2) + "\n")
     (out / "results.md").write_text(format_table(suite, results) + "\n")
     plot_curves(results, out / "curves.png", title=suite.name)
     return results
