@@ -225,12 +225,15 @@ def test_report_update_regenerates_marked_tables(tmp_path, capsys, monkeypatch):
     suite.seeds = [0]
     run_suite(suite, tmp_path / "s", log=lambda _: None)
     doc = tmp_path / "results.md"
-    doc.write_text("# Results\n\nprose\n<!-- report s -->\n| stale | table |\n<!-- end report -->\nmore prose\n")
+    elsewhere = "<!-- report other -->\n| run on another machine |\n<!-- end report -->\n"
+    doc.write_text("# Results\n\nprose\n<!-- report s -->\n| stale | table |\n<!-- end report -->\nmore prose\n" + elsewhere)
     monkeypatch.chdir(tmp_path)
+    capsys.readouterr()
     assert main(["report", "--update", str(doc)]) == 0
+    assert capsys.readouterr().out.strip().endswith("1 tables regenerated from their run directories (s); left as they were, no run directory here: other")
     text = doc.read_text()
     assert "stale" not in text and text.startswith("# Results\n\nprose\n<!-- report s -->\n| method |")
-    assert "| MOON |" in text and text.endswith("<!-- end report -->\nmore prose\n")
+    assert "| MOON |" in text and text.endswith("<!-- end report -->\nmore prose\n" + elsewhere)
     assert "regenerate with `contrafl report s --markdown`" in text
     before = text
     assert main(["report", "--update", str(doc)]) == 0

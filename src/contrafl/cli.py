@@ -311,8 +311,9 @@ def cmd_report(ns: argparse.Namespace) -> int:
     if ns.update:
         from .eval.suite import update_tables
 
-        count = update_tables(Path(ns.update))
-        print(f"{ns.update}: {count} tables regenerated from their run directories")
+        done, left = update_tables(Path(ns.update))
+        print(f"{ns.update}: {len(done)} tables regenerated from their run directories ({', '.join(done) or 'none'})"
+              + (f"; left as they were, no run directory here: {', '.join(left)}" if left else ""))
         return 0
     if not ns.runs:
         raise ContraflError("give run directories or a suite directory, e.g. `contrafl report runs/reduced`, or --update FILE")
@@ -619,7 +620,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="markdown output; for one suite directory, its table with per-seed values")
     rep.add_argument("--update", metavar="FILE",
                      help="regenerate every block '<!-- report SUITE_DIR -->' ... '<!-- end report -->' of a "
-                          "markdown file (docs/results.md) from its suite directory")
+                          "markdown file (docs/results.md) from its suite directory (blocks whose directory is "
+                          "not here are left as they are)")
     rep.add_argument("--target", type=float, help="accuracy to reach, e.g. 0.68")
     rep.add_argument("--target-from", metavar="RUN_DIR", help="use this run's final accuracy as the target (e.g. FedAvg's)")
     rep.add_argument("--clients", action="store_true",

@@ -409,17 +409,27 @@ def suite_report(out: Path) -> str:
 REPORT_BLOCK = re.compile(r"(<!-- report (?P<dir>\S+) -->\n)(?P<body>.*?)(<!-- end report -->)", re.S)
 
 
-def update_tables(path: Path) -> int:
+def update_tables(path: Path) -> tuple[list[str], list[str]]:
     """Regenerate, in the markdown file ``path``, every block between
-    ``<!-- report SUITE_DIR -->`` and ``<!-- end report -->`` with
-    :func:`suite_report` of that suite directory; the number of blocks."""
+    ``<!-- report SUITE_DIR -->`` and ``<!-- end report -->`` with :func:`suite_report` of
+    that suite directory; a block whose directory is not here (a suite run on another
+    machine) is left as it is. The suite directories regenerated and those left."""
     text = Path(path).read_text()
     blocks = list(REPORT_BLOCK.finditer(text))
     if not blocks:
         raise ConfigError(f"{path} has no '<!-- report SUITE_DIR -->' ... '<!-- end report -->' block to regenerate")
-    new = REPORT_BLOCK.sub(lambda m: m.group(1) + suite_report(Path(m.group("dir"))) + "\n" + m.group(4), text)
-    Path(path).write_text(new)
-    return len(blocks)
+    done, left = [], []
+
+    def regenerate(m: re.Match) -> str:
+        folder = Path(m.group("dir"))
+        if not folder.is_dir():
+            left.append(str(folder))
+            return m.group(0)
+        done.append(str(folder))
+        return m.group(1) + suite_report(folder) + "\n" + m.group(4)
+
+    Path(path).write_text(REPORT_BLOCK.sub(regenerate, text))
+    return done, left
 
 
 def run_path(out: Path, method: str, seed: int) -> Path:
