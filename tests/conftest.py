@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 
 import pytest
 import torch
@@ -46,3 +47,12 @@ def torch_threads(n: int):
         yield
     finally:
         torch.set_num_threads(threads)
+
+
+def strict_json(text: str):
+    """json.loads that rejects NaN and Infinity (RFC 8259), as many parsers do."""
+
+    def reject(name: str):
+        raise ValueError(f"non-standard JSON constant {name}")
+
+    return json.loads(text, parse_constant=reject)

@@ -11,7 +11,6 @@ an older checkpoint.
 
 from __future__ import annotations
 
-import json
 import tomllib
 from pathlib import Path
 
@@ -31,6 +30,7 @@ from contrafl.engine.simulation import ClientOutcome, Simulation, resume
 from contrafl.errors import DataError
 from contrafl.flower.client import FlowerClient
 from contrafl.flower.deploy import prepare_run, simulator_threads
+from conftest import strict_json
 from test_orchestra import tiny_cifar
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -61,15 +61,6 @@ class FreshClients:
 
 def settings(algorithm: str, *extra: str) -> list[str]:
     return [f"algorithm={algorithm}", f"num_clients={CLIENTS}", "rounds=4", "local_epochs=1", "executor=sequential", *extra]
-
-
-def strict_json(text: str):
-    """json.loads that rejects NaN and Infinity (RFC 8259), as many parsers do."""
-
-    def reject(name: str):
-        raise ValueError(f"non-standard JSON constant {name}")
-
-    return json.loads(text, parse_constant=reject)
 
 
 def metrics(path: Path) -> list[dict]:

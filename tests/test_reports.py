@@ -17,17 +17,9 @@ from contrafl.engine.setup import prepare
 from contrafl.engine.simulation import Simulation
 from contrafl.eval.probe import _spectrum_record
 from contrafl.eval.report import report
+from conftest import strict_json
 
 FAST = ["rounds=2", "local_epochs=1", "num_clients=4", "executor=sequential"]
-
-
-def strict(text: str):
-    """json.loads that rejects NaN and Infinity, as RFC 8259 and most parsers do."""
-
-    def reject(name: str):
-        raise ValueError(f"non-standard JSON constant {name}")
-
-    return json.loads(text, parse_constant=reject)
 
 
 def run(tmp_path, name: str, *overrides: str) -> Simulation:
@@ -39,7 +31,7 @@ def run(tmp_path, name: str, *overrides: str) -> Simulation:
 def test_strict_json_writes_null_for_non_finite_numbers():
     obj = {"a": float("nan"), "b": [1.0, float("inf"), {"c": -float("inf")}], "d": (2, 3.5), "e": "x"}
     assert finite(obj) == {"a": None, "b": [1.0, None, {"c": None}], "d": [2, 3.5], "e": "x"}
-    assert strict(to_json(obj)) == finite(obj)
+    assert strict_json(to_json(obj)) == finite(obj)
 
 
 def test_fedproto_writes_strict_json(tmp_path):
@@ -47,15 +39,15 @@ def test_fedproto_writes_strict_json(tmp_path):
     and both files parse with a parser that rejects NaN and Infinity (every algorithm's
     files are parsed so by tests/test_flower_client.py)."""
     run(tmp_path, "proto", "algorithm=fedproto", "test_fraction=0.25")
-    summary = strict((tmp_path / "proto" / "summary.json").read_text())
-    rows = [strict(line) for line in (tmp_path / "proto" / "metrics.jsonl").read_text().splitlines()]
+    summary = strict_json((tmp_path / "proto" / "summary.json").read_text())
+    rows = [strict_json(line) for line in (tmp_path / "proto" / "metrics.jsonl").read_text().splitlines()]
     assert summary["status"] == "completed" and "personal_loss" not in summary["final"]
     assert all("personal_loss" not in r and r["client_loss"] == [None] * 4 and None not in r["client_acc"] for r in rows)
 
 
 def test_per_client_arrays_and_the_best_round_of_personalised_runs(tmp_path):
     sim = run(tmp_path, "ditto", "algorithm=ditto", "test_fraction=0.25", "rounds=3")
-    rows = [strict(line) for line in (tmp_path / "ditto" / "metrics.jsonl").read_text().splitlines()]
+    rows = [strict_json(line) for line in (tmp_path / "ditto" / "metrics.jsonl").read_text().splitlines()]
     test_rows = sim.setup.partition.test
     for row in rows:
         assert row["client_n"] == [len(r) for r in test_rows]
@@ -66,7 +58,7 @@ def test_per_client_arrays_and_the_best_round_of_personalised_runs(tmp_path):
         mean = sum(accs) / len(accs)
         assert row["personal_acc_std"] == pytest.approx(math.sqrt(sum((a - mean) ** 2 for a in accs) / len(accs)), abs=1e-12)
         assert all(round(a * n) == pytest.approx(a * n, abs=1e-9) for a, n in zip(accs, ns))  # counts of correct samples
-    summary = strict((tmp_path / "ditto" / "summary.json").read_text())
+    summary = strict_json((tmp_path / "ditto" / "summary.json").read_text())
     best = max(rows, key=lambda r: r["personal_acc"])
     assert summary["best_personal_round"] == best["round"] and not any(k.startswith("client_") for k in summary["final"])
     line = format_summary(summary)
@@ -111,7 +103,7 @@ def test_report_lists_self_supervised_failed_and_stopped_runs(tmp_path, capsys):
     stopped = tmp_path / "stopped"
     stopped.mkdir()
     (stopped / "summary.json").write_text(json.dumps({"status": "interrupted", "error": "stopped by SIGTERM"}))
-    rows = [strict(line) for line in (tmp_path / "ssl" / "metrics.jsonl").read_text().splitlines()]
+    rows = [strict_json(line) for line in (tmp_path / "ssl" / "metrics.jsonl").read_text().splitlines()]
     knn = rows[-1]["knn_acc"]
     assert main(["report", str(tmp_path), "--target", f"{knn - 0.01:.4f}"]) == 0
     lines = capsys.readouterr().out.splitlines()
@@ -135,13 +127,13 @@ def test_eval_repr_of_a_run_without_a_global_encoder(tmp_path, capsys):
     assert main(["eval-repr", str(tmp_path / "proto"), "--protocol", "knn", "--clients", "1,2"]) == 0
     out = capsys.readouterr().out
     assert "local models of 2 clients" in out and "global encoder is still its initialisation and was not evaluated" in out
-    result = strict((tmp_path / "proto" / "representation" / "knn.json").read_text())
+    result = strict_json((tmp_path / "proto" / "representation" / "knn.json").read_text())
     assert result["global_trained"] is False and "acc" not in result and set(result["local"]) == {"1", "2"}
     assert main(["eval-repr", str(tmp_path / "proto"), "--protocol", "linear"]) == 2
     assert "still its initialisation (fedproto trains no global encoder)" in capsys.readouterr().err
     run(tmp_path, "avg", "algorithm=fedavg")
     assert main(["eval-repr", str(tmp_path / "avg"), "--protocol", "knn", "--clients", "0"]) == 0
-    result = strict((tmp_path / "avg" / "representation" / "knn.json").read_text())
+    result = strict_json((tmp_path / "avg" / "representation" / "knn.json").read_text())
     assert result["global_trained"] is True and 0 <= result["acc"] <= 1 and set(result["local"]) == {"0"}
     assert main(["eval-repr", str(tmp_path / "avg"), "--protocol", "linear", "--clients", "0"]) == 2
 
