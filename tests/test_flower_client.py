@@ -110,6 +110,7 @@ TINY = {  # what an algorithm needs to run on a tiny federation
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algorithm", ALGORITHMS.names())
 def test_every_algorithm_runs_through_fresh_client_processes(tmp_path, algorithm):
     """Every algorithm of `contrafl list`, 2 rounds on 3 clients of a tiny CIFAR-10:

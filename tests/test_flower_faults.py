@@ -17,6 +17,7 @@ import pytest
 import torch
 
 pytest.importorskip("flwr")
+pytestmark = pytest.mark.slow  # real SuperLink and SuperNode processes
 
 from contrafl.cli import main  # noqa: E402
 from contrafl.config import load_config  # noqa: E402

@@ -90,6 +90,7 @@ def _run_echo(tmp_path: Path, tls: bool) -> None:
         assert reply["label"] == (LABEL if partition == 0 else "plain")
 
 
+@pytest.mark.slow
 def test_insecure_deployment_runs_echo_app(tmp_path: Path) -> None:
     _run_echo(tmp_path, tls=False)
 

@@ -83,6 +83,7 @@ def _uninterrupted(tmp_path, settings):
 ALGORITHMS = ["fedavg", "fedprox", "scaffold", "moon", "fedssc", "fedsiam_da", "solo"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 def test_killed_in_the_middle_of_a_round_resumes_exactly(tmp_path, algorithm):
     settings = [f"algorithm={algorithm}", *SETTINGS]
@@ -102,6 +103,7 @@ def test_killed_in_the_middle_of_a_round_resumes_exactly(tmp_path, algorithm):
 PERSONALIZED = ["pool=true", "test_fraction=0.25", "optimizer=adam", "lr=0.003", "persist_optimizer_state=true"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algorithm", ["fedcrl", "ditto", "fedala"])
 def test_personalized_killed_in_the_middle_of_a_round_resumes_exactly(tmp_path, algorithm):
     settings = [f"algorithm={algorithm}", *SETTINGS, *PERSONALIZED]
@@ -119,6 +121,7 @@ SELF_SUPERVISED = ["num_clients=4", "rounds=4", "local_epochs=1", "executor=sequ
                    "model.projection_hidden=16", "model.projection_dim=8", "algorithm.predictor_hidden=16"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algorithm", ["fedbyol", "fedu2", "fedu", "fedema"])
 def test_self_supervised_killed_in_the_middle_of_a_round_resumes_exactly(tmp_path, algorithm):
     settings = [f"algorithm={algorithm}", *SELF_SUPERVISED]
@@ -129,6 +132,7 @@ def test_self_supervised_killed_in_the_middle_of_a_round_resumes_exactly(tmp_pat
     assert (run / "metrics.jsonl").read_bytes() == clean
 
 
+@pytest.mark.slow
 def test_orchestra_killed_in_the_middle_of_a_round_resumes_exactly(tmp_path):
     """Orchestra's state: the server's centroids; each client's target network, memory of
     projections and SGD momentum (persisted); on CIFAR-10-format images, augmented."""
@@ -140,6 +144,7 @@ def test_orchestra_killed_in_the_middle_of_a_round_resumes_exactly(tmp_path):
     assert (run / "metrics.jsonl").read_bytes() == clean
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algorithm", ["moon", "scaffold", "solo"])
 def test_killed_while_writing_a_checkpoint_resumes_exactly(tmp_path, algorithm):
     settings = [f"algorithm={algorithm}", *SETTINGS]
@@ -167,6 +172,7 @@ def test_resume_with_checkpoints_every_few_rounds_and_spilled_client_states(tmp_
     assert timing == [1, 2, 3, 4, 5, 6]
 
 
+@pytest.mark.slow
 def test_sigterm_records_interrupted_and_resumes(tmp_path):
     """SIGTERM (what `timeout` and schedulers send) stops with status interrupted, exit
     143 and a hint; the run then resumes to the uninterrupted metrics."""
