@@ -178,11 +178,10 @@ def evaluate_run(
                 out["acc"] = acc
             else:
                 out.setdefault("local", {})[who] = {"acc": acc}
-    else:
+    elif protocol == "linear":
         with torch.no_grad():
             train_f = extract_features(encode, run.x_train, tf, bs)
             test_f = extract_features(encode, run.x_test, tf, bs)
-    if protocol == "linear":
         epochs = epochs or 200
         res = linear_probe(train_f, run.y_train, test_f, run.y_test, classes, epochs=epochs, generator=g)
         out.update(epochs=epochs, lr=3e-3, batch_size=512, acc=res.acc, best_acc=res.best_acc)

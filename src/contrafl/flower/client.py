@@ -74,9 +74,10 @@ class FlowerClient:
 
     def train(self, t: int, message: dict[str, Any], checkpointed: int) -> dict[str, Any]:
         """Local training in round ``t + 1`` on ``message``: the reply as a tree
-        (``payload``, ``num_samples``, ``loss``, ``steps``, the loss's ``parts``). The client's next state is
-        saved (``round-<t+1>.pt``) before the reply leaves; it keeps the states a server
-        resuming from its checkpoint after round ``checkpointed`` may need."""
+        (``payload``, ``num_samples``, ``loss``, ``steps``, the loss's ``parts``). The
+        client's next state is saved (``round-<t+1>.pt``) before the reply leaves; it keeps
+        the states a server resuming from its checkpoint after round ``checkpointed`` may
+        need."""
         sim, cid = self.sim, self.cid
         self.load_state(t)
         outcome = next(iter(sim.train_locally(t, [cid], lambda _: message, sim.algorithm.phases(t))))
