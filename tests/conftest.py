@@ -56,3 +56,41 @@ def strict_json(text: str):
         raise ValueError(f"non-standard JSON constant {name}")
 
     return json.loads(text, parse_constant=reject)
+
+
+CHROMIUM_FLAGS = [
+    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+    "--disable-background-networking", "--disable-component-update", "--disable-sync", "--hide-scrollbars",
+]
+
+
+def chromium_screenshot(page, png, tmp_path, size=(1200, 2400)):
+    """Open the HTML file ``page`` in headless Chromium (Debian's ``chromium``, which
+    ``.ci/run`` installs) and write a screenshot of ``size`` pixels to ``png``; return
+    the page's DOM after rendering."""
+    import shutil
+    import subprocess
+
+    browser = shutil.which("chromium") or shutil.which("chromium-browser")
+    if browser is None:
+        pytest.skip("headless Chromium is not installed (Debian package chromium; .ci/run installs it)")
+    common = [browser, *CHROMIUM_FLAGS, f"--user-data-dir={tmp_path / 'chromium-profile'}"]
+    url = page.absolute().as_uri()
+    subprocess.run([*common, f"--window-size={size[0]},{size[1]}", f"--screenshot={png}", url],
+                   check=True, capture_output=True, timeout=120)
+    dom = subprocess.run([*common, "--dump-dom", url], check=True, capture_output=True, text=True, timeout=120)
+    return dom.stdout
+
+
+def check_screenshot(png, size=(1200, 2400)) -> None:
+    """A screenshot of ``size`` that is not blank and shows coloured figures (the
+    tables and text are grey; curves, boxes and heatmaps are coloured)."""
+    from matplotlib.image import imread
+
+    image = imread(png)[..., :3]
+    assert image.shape[:2] == (size[1], size[0])
+    assert image.std() > 0.05  # not one colour
+    coloured = (image.max(axis=2) - image.min(axis=2)) > 0.25
+    assert coloured.mean() > 0.005, "no coloured figure rendered"
+    dark = image.max(axis=2) < 0.3
+    assert dark[:200].mean() > 0.002  # the title and first table's text at the top

@@ -19,8 +19,12 @@ def test_run_directory_contents(tmp_path):
     sim = simulate("rounds=3", "eval_every=2", run_dir=RunDir(tmp_path / "run"))
     run = tmp_path / "run"
     assert sorted(p.name for p in run.iterdir()) == [
-        ".lock", "checkpoint.pt", "config.yaml", "metrics.jsonl", "partition.json", "summary.json", "timing.jsonl"
+        ".lock", "checkpoint.pt", "config.yaml", "label_counts.json", "metrics.jsonl", "partition.json", "summary.json", "timing.jsonl"
     ]
+    counts = json.loads((run / "label_counts.json").read_text())
+    partition = json.loads((run / "partition.json").read_text())
+    assert [sum(c) for c in counts["counts"]] == [len(rows) for rows in partition["train"]]
+    assert counts["classes"] == [str(i) for i in range(10)]
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["round"] for r in rows] == [1, 2, 3]
     assert "test_acc" not in rows[0] and "test_acc" in rows[1] and "test_acc" in rows[2]  # eval_every, and the last

@@ -16,7 +16,10 @@ from contrafl.eval.suite import Suite, _combine, _slug, format_table, load_suite
 EXPERIMENTS = Path(__file__).resolve().parents[1] / "experiments"
 
 
-@pytest.mark.parametrize("path", sorted(EXPERIMENTS.rglob("*.yaml")), ids=lambda p: str(p.relative_to(EXPERIMENTS)))
+SUITES = sorted(p for p in EXPERIMENTS.rglob("*.yaml") if p.parent.name != "sweeps")
+
+
+@pytest.mark.parametrize("path", SUITES, ids=lambda p: str(p.relative_to(EXPERIMENTS)))
 def test_every_shipped_suite_is_valid(path):
     suite = load_suite(path)
     assert suite.seeds and suite.methods
@@ -226,15 +229,20 @@ def test_report_update_regenerates_marked_tables(tmp_path, capsys, monkeypatch):
     run_suite(suite, tmp_path / "s", log=lambda _: None)
     doc = tmp_path / "results.md"
     elsewhere = "<!-- report other -->\n| run on another machine |\n<!-- end report -->\n"
-    doc.write_text("# Results\n\nprose\n<!-- report s -->\n| stale | table |\n<!-- end report -->\nmore prose\n" + elsewhere)
+    figure = "<!-- figure s curves figures/s-curves.png -->\n![old](x.png)\n<!-- end figure -->\n"
+    doc.write_text("# Results\n\nprose\n<!-- report s -->\n| stale | table |\n<!-- end report -->\nmore prose\n" + elsewhere + figure)
     monkeypatch.chdir(tmp_path)
     capsys.readouterr()
     assert main(["report", "--update", str(doc)]) == 0
-    assert capsys.readouterr().out.strip().endswith("1 tables regenerated from their run directories (s); left as they were, no run directory here: other")
+    assert capsys.readouterr().out.strip().endswith(
+        "2 tables and figures regenerated from their run directories (s, curves of s); left as they were, no run directory here: other"
+    )
     text = doc.read_text()
     assert "stale" not in text and text.startswith("# Results\n\nprose\n<!-- report s -->\n| method |")
-    assert "| MOON |" in text and text.endswith("<!-- end report -->\nmore prose\n" + elsewhere)
+    assert "| MOON |" in text and "<!-- end report -->\nmore prose\n" + elsewhere in text
     assert "regenerate with `contrafl report s --markdown`" in text
+    assert text.endswith("<!-- figure s curves figures/s-curves.png -->\n![curves of s](figures/s-curves.png)\n<!-- end figure -->\n")
+    assert (tmp_path / "figures" / "s-curves.png").read_bytes()[:4] == b"\x89PNG"
     before = text
     assert main(["report", "--update", str(doc)]) == 0
     assert doc.read_text() == before

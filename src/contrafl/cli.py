@@ -57,9 +57,13 @@ def _split_run_args(args: list[str]) -> tuple[str | None, list[str]]:
 def cmd_run(ns: argparse.Namespace) -> int:
     if ns.resume:
         return resume_run(ns)
+    from .engine.tracking import require  # imports no torch
+
     config_path, overrides = _split_run_args(ns.args)
     cfg = load_config(config_path, overrides)  # before the slow imports: quick errors
+    require(cfg.tracking)
 
+    from .engine.estimate import estimate
     from .engine.progress import Progress
     from .engine.run_dir import RunDir, default_run_dir
     from .engine.setup import prepare
@@ -86,6 +90,11 @@ def cmd_run(ns: argparse.Namespace) -> int:
         print(f"run directory: {run_dir.path}")
     _warn(setup.warnings)
     sim = Simulation(setup, run_dir, None if ns.quiet else Progress(cfg.rounds, sys.stdout))
+    if not ns.quiet:
+        planned = estimate(sim)
+        if planned is not None:
+            print(planned.line(), flush=True)
+            sim.estimated_time_s = round(planned.seconds, 1)
     return run_simulation(sim, ns.quiet)
 
 
@@ -96,6 +105,7 @@ def resume_run(ns: argparse.Namespace) -> int:
     from .engine.run_dir import RunDir, read_summary
     from .engine.setup import prepare
     from .engine.simulation import resume
+    from .engine.tracking import require
 
     config_path, overrides = _split_run_args(ns.args)
     if config_path is not None or ns.out:
@@ -111,6 +121,7 @@ def resume_run(ns: argparse.Namespace) -> int:
             )
     run_dir = RunDir(Path(ns.resume), resume=True)
     cfg = load_config(run_dir.path / "config.yaml", overrides)
+    require(cfg.tracking)
     summary = read_summary(run_dir.path)
     if summary.get("status") == "completed" or summary.get("checkpointed_rounds", 0) >= cfg.rounds:
         print(f"{run_dir.path} has completed all {cfg.rounds} rounds; nothing to resume")
@@ -122,6 +133,7 @@ def resume_run(ns: argparse.Namespace) -> int:
         )
     setup = prepare(cfg)
     sim = resume(setup, run_dir, None if ns.quiet else Progress(setup.config.rounds, sys.stdout))
+    sim.estimated_time_s = summary.get("estimated_time_s")  # made before round 1
     if not ns.quiet:
         print(f"resuming {run_dir.path} after round {sim.rounds_done} of {setup.config.rounds}")
     _warn(setup.warnings)
@@ -307,19 +319,30 @@ def cmd_partition(ns: argparse.Namespace) -> int:
 def cmd_report(ns: argparse.Namespace) -> int:
     from .eval.report import report
     from .eval.suite import SUITE_RECORD, suite_report
+    from .eval.sweep import SWEEP_RECORD, sweep_report
 
     if ns.update:
-        from .eval.suite import update_tables
+        from .eval.markdown import update
 
-        done, left = update_tables(Path(ns.update))
-        print(f"{ns.update}: {len(done)} tables regenerated from their run directories ({', '.join(done) or 'none'})"
+        done, left = update(Path(ns.update))
+        print(f"{ns.update}: {len(done)} tables and figures regenerated from their run directories ({', '.join(done) or 'none'})"
               + (f"; left as they were, no run directory here: {', '.join(left)}" if left else ""))
         return 0
     if not ns.runs:
         raise ContraflError("give run directories or a suite directory, e.g. `contrafl report runs/reduced`, or --update FILE")
     paths = [Path(p) for p in ns.runs]
+    if ns.html:
+        from .eval.html import write_html
+
+        argv = ["report", *ns.runs, "--html", ns.html]
+        out = write_html(paths, Path(ns.html), argv)
+        print(f"report written to {out} ({out.stat().st_size / 2**10:.0f} KiB, self-contained)")
+        return 0
     if ns.markdown and len(paths) == 1 and (paths[0] / SUITE_RECORD).is_file():
         print(suite_report(paths[0]))
+        return 0
+    if ns.markdown and len(paths) == 1 and (paths[0] / SWEEP_RECORD).is_file():
+        print(sweep_report(paths[0]))
         return 0
     print(report(paths, target=ns.target, target_from=ns.target_from, markdown=ns.markdown, clients=ns.clients))
     return 0
@@ -348,6 +371,23 @@ def cmd_eval_repr(ns: argparse.Namespace) -> int:
             accs = [r["acc"] for r in local.values()]
             parts.append(f"local models of {len(accs)} clients {min(accs):.4f} to {max(accs):.4f} (mean {sum(accs) / len(accs):.4f})")
         print(f"{where}: {what[ns.protocol]} accuracy of the {', '.join(parts)}{untrained}; saved in representation/")
+    return 0
+
+
+def cmd_plot_repr(ns: argparse.Namespace) -> int:
+    from .eval.tsne import FIGURE, plot_run
+
+    out = Path(ns.out) if ns.out else Path(ns.run_dir) / FIGURE
+    result = plot_run(
+        Path(ns.run_dir), clients=ns.clients, local=not ns.no_local, samples=ns.samples, perplexity=ns.perplexity,
+        seed=ns.seed, device=ns.device, out=out,
+    )
+    scores = ", ".join(
+        f"{p['title']} silhouette {p['silhouette']:.3f} (kNN {p['knn_acc']:.3f})" for p in result["panels"]
+    )
+    skipped = f"; no global panel: {result['note']}" if "note" in result else ""
+    print(f"{ns.run_dir}: round {result['round']}, t-SNE of {result['samples']} test samples: {scores}{skipped}; "
+          f"written to {out} and {out.with_suffix('.json')}")
     return 0
 
 
@@ -386,6 +426,31 @@ def cmd_compare(ns: argparse.Namespace) -> int:
     out = Path(ns.out) if ns.out else Path("runs") / ("compare-" + "-".join(algorithms))
     done = f"rounds to {algorithms[0]}'s final accuracy in the last column; runs and curves in {out}"
     return _run_suite(suite, out, overrides, None, done)
+
+
+def cmd_sweep(ns: argparse.Namespace) -> int:
+    from .eval.sweep import format_table, interrupted_line, load_sweep, run_sweep
+
+    sweep = load_sweep(Path(ns.file))
+    if ns.seeds:
+        sweep.seeds = _seeds(ns.seeds)
+    if ns.workers is not None and ns.workers < 1:
+        raise ContraflError(f"--workers {ns.workers} is invalid: expected a number of processes >= 1")
+    out = Path(ns.out) if ns.out else Path("runs") / "sweeps" / Path(ns.file).stem
+    try:
+        results = run_sweep(sweep, out, ns.overrides, ns.workers, sys.stdout, dry_run=ns.dry_run)
+    except KeyboardInterrupt as exc:
+        line, code = interrupted_line(exc)
+        print("\n" + line, file=sys.stderr)
+        return code
+    if ns.dry_run:
+        return 0
+    print(format_table(sweep, results))
+    print(f"table: {out / 'results.md'}; report: contrafl report {out} --html {out / 'report.html'}")
+    if results["failed"]:
+        print(f"contrafl: {len(results['failed'])} runs failed: {', '.join(results['failed'])} (see above)", file=sys.stderr)
+        return EXIT_FAILED
+    return 0
 
 
 def _run_suite(suite, out: Path, overrides: list[str], methods: list[str] | None, done: str) -> int:
@@ -569,6 +634,35 @@ def build_parser() -> argparse.ArgumentParser:
     cmp_.add_argument("--out", metavar="DIR", help="output directory (default: runs/compare-<algorithms>)")
     cmp_.set_defaults(func=cmd_compare, settings_dest="args")
 
+    swp = sub.add_parser(
+        "sweep",
+        help="run the cartesian product of settings (a grid) x seeds, in parallel processes",
+        description=textwrap.dedent(
+            """\
+            Run every combination of the settings in a sweep file's grid, each with every seed,
+            in --workers processes; finished runs are reused and stopped ones resume, so the
+            same command continues an interrupted sweep (Ctrl-C stops it with one line). E.g.
+              contrafl sweep sweep.yaml --workers 2
+              contrafl sweep sweep.yaml rounds=10 --seeds 3 --out runs/beta-sweep
+            with sweep.yaml:
+              base: {dataset: digits, rounds: 3}
+              grid: {algorithm: [fedavg, moon], partition.beta: [0.1, 0.5], moon.mu: [1, 5]}
+              seeds: [0, 1]
+            (moon.mu applies to the MOON cells only). Each run goes to OUT/<cell>/seed<k>/, its
+            output to OUT/logs/; the table (mean ± std over seeds of each run's metric) to
+            OUT/results.md. See docs/sweeps.md."""
+        ),
+        formatter_class=fmt,
+    )
+    swp.add_argument("file", metavar="SWEEP.yaml", help="sweep file: base, grid, seeds")
+    swp.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="settings applied to every run (after the grid's)")
+    swp.add_argument("--workers", type=int, metavar="N",
+                     help="runs at a time, each a process on its share of the cores (default: one per CPU core; 1 on a GPU)")
+    swp.add_argument("--out", metavar="DIR", help="output directory (default: runs/sweeps/<file name>)")
+    swp.add_argument("--seeds", help="number of seeds (3) or list (0,1,2; one seed: 4,); default: the file's")
+    swp.add_argument("--dry-run", action="store_true", help="list the runs and what is done already; run nothing")
+    swp.set_defaults(func=cmd_sweep, settings_dest="overrides")
+
     ev = sub.add_parser(
         "eval-repr",
         help="evaluate a run's learned representations (kNN, linear probe, fine-tuning, spectrum)",
@@ -601,27 +695,65 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--no-local", action="store_true", help="spectrum: the global model only")
     ev.set_defaults(func=cmd_eval_repr)
 
+    pr = sub.add_parser(
+        "plot-repr",
+        help="plot a t-SNE of a run's test representations, coloured by class",
+        description=textwrap.dedent(
+            """\
+            Embed the test representations (encoder features of un-augmented inputs) of a run's
+            global model (its last checkpoint) and of the local models of --clients with t-SNE,
+            one panel each, coloured by class (MOON's Figure 2). The panels share one
+            class-stratified random subset of the test set. Local models are those of
+            `eval-repr --protocol spectrum`: trained in one more round of local training, with
+            the parts a client keeps to itself (Ditto, pFedMe: the model a client sends, not
+            its personal model); the run directory stays as it is.
+            A global encoder that is still its initialisation (FedProto, SOLO, FedGH,
+            LG-FedAvg) gets no panel. Each panel reports the silhouette of the embedding by
+            class and the leave-one-out 10-NN accuracy in feature space. Written to
+            RUN_DIR/representation/tsne.png and tsne.json (coordinates, scores), e.g.
+              contrafl plot-repr runs/moon --clients 0,3,5
+              contrafl plot-repr runs/fedu2 --samples 1000 --perplexity 50 --no-local"""
+        ),
+        formatter_class=fmt,
+    )
+    pr.add_argument("run_dir", metavar="RUN_DIR")
+    pr.add_argument("--clients", metavar="IDS", help="clients whose local models get a panel, e.g. 0,3,5 or all (default: the first 2)")
+    pr.add_argument("--no-local", action="store_true", help="the global model only")
+    pr.add_argument("--samples", type=int, default=2000, metavar="N",
+                    help="test samples, class-stratified (default 2000; all when the test set is smaller)")
+    pr.add_argument("--perplexity", type=float, default=30.0, help="t-SNE perplexity (default 30; at most samples - 1)")
+    pr.add_argument("--seed", type=int, default=0, help="seed of the subset and of t-SNE")
+    pr.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    pr.add_argument("--out", metavar="PNG",
+                    help="figure path (default RUN_DIR/representation/tsne.png); the JSON is written beside it")
+    pr.set_defaults(func=cmd_plot_repr)
+
     rep = sub.add_parser(
         "report",
         help="summarise runs and suites",
         description=textwrap.dedent(
             """\
             Status, final and best accuracy of runs, and rounds to reach a target accuracy
-            (MOON Table 2). RUN_DIR is a run directory or a directory of runs (a suite's
-            --out), e.g.
+            (MOON Table 2). RUN_DIR is a run directory or a directory of runs (a suite's or
+            sweep's --out), e.g.
               contrafl report runs/reduced
+              contrafl report runs/reduced --html report.html  # one page with tables and figures
               contrafl report runs/reduced --markdown     # the suite's table as in docs/results.md
               contrafl report --update docs/results.md    # regenerate every table of that file"""
         ),
         formatter_class=fmt,
     )
     rep.add_argument("runs", nargs="*", metavar="RUN_DIR")
+    rep.add_argument("--html", metavar="OUT.html",
+                     help="write one self-contained HTML page (tables, curves with seed bands, per-client accuracy and "
+                          "fairness, partition heatmaps, t-SNE figures, every run's state) instead of printing")
     rep.add_argument("--markdown", action="store_true",
                      help="markdown output; for one suite directory, its table with per-seed values")
     rep.add_argument("--update", metavar="FILE",
-                     help="regenerate every block '<!-- report SUITE_DIR -->' ... '<!-- end report -->' of a "
-                          "markdown file (docs/results.md) from its suite directory (blocks whose directory is "
-                          "not here are left as they are)")
+                     help="regenerate every block '<!-- report SUITE_DIR -->' ... '<!-- end report -->' (a table) and "
+                          "'<!-- figure SUITE_DIR KIND PNG -->' ... '<!-- end figure -->' (KIND: curves, clients, partition) "
+                          "of a markdown file (docs/results.md) from its suite or sweep directory (blocks whose "
+                          "directory is not here are left as they are)")
     rep.add_argument("--target", type=float, help="accuracy to reach, e.g. 0.68")
     rep.add_argument("--target-from", metavar="RUN_DIR", help="use this run's final accuracy as the target (e.g. FedAvg's)")
     rep.add_argument("--clients", action="store_true",

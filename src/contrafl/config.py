@@ -44,6 +44,34 @@ class Component:
 _pos = P.Interval(0, None, "neither")
 _nonneg = P.Interval(0, None)
 
+TRACKERS = ("tensorboard", "mlflow", "csv")  # contrafl.engine.tracking writes them
+
+
+@dataclass(frozen=True)
+class Trackers(P.OneOf):
+    """``none`` or a comma-separated list of trackers, recorded in canonical form
+    (lower case, each once, in the order of ``choices``: ``MLflow,csv`` -> ``mlflow,csv``)."""
+
+    choices: tuple = ("none", *TRACKERS)
+
+    def names(self, value: str) -> list[str]:
+        return [P.fold(v.strip()) for v in value.split(",")]
+
+    def __call__(self, value: Any) -> bool:
+        if not isinstance(value, str):
+            return False
+        names = self.names(value)
+        return names == ["none"] or all(n in TRACKERS for n in names)
+
+    def canonical(self, value: Any) -> Any:
+        if not self(value):
+            return value
+        names = set(self.names(value))
+        return ",".join(n for n in self.choices if n in names)
+
+    def __str__(self) -> str:
+        return f"none or a comma-separated list of {', '.join(TRACKERS)}"
+
 
 @dataclass(frozen=True)
 class Config:
@@ -91,6 +119,8 @@ class Config:
     on_bad_update: str = P.param("stop", P.OneOf(("stop", "skip")), "a client update that fails validation stops the run, or is left out of the round's aggregate")
     update_outlier_factor: float = P.param(0.0, _nonneg, "reject an update whose norm is more than this many times the round's median update norm; 0 = off")
     vectorize_memory_gb: float = P.param(2.0, _pos, "memory budget of one vectorized chunk of clients")
+    tracking: str = P.param("none", Trackers(), "where else to log the config, every round's metrics and the summary: none, or tensorboard, mlflow, csv, several comma-separated (docs/tracking.md; pip install \"contrafl[tracking]\")")
+    tracking_uri: str | None = P.param(None, None, "MLflow tracking URI (auto: $MLFLOW_TRACKING_URI, else a SQLite store in RUN_DIR/mlflow)")
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -118,6 +148,8 @@ EXECUTION_SETTINGS = (
     "client_memory_gb",
     "vectorize_memory_gb",
     "checkpoint_every",
+    "tracking",
+    "tracking_uri",
 )
 
 
@@ -158,24 +190,26 @@ def fingerprint(config: Config | Mapping[str, Any]) -> str:
     return hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+def flat_settings(tree: Mapping[str, Any]) -> dict[str, Any]:
+    """A configuration dict's fingerprinted settings, one level: ``{"lr": 0.01,
+    "algorithm": "moon", "algorithm.mu": 5, ...}`` (:data:`EXECUTION_SETTINGS` left out)."""
+    out: dict[str, Any] = {}
+    for k, v in tree.items():
+        if k in EXECUTION_SETTINGS:
+            continue
+        if isinstance(v, Mapping):
+            out[k] = v.get("name")
+            out.update({f"{k}.{o}": x for o, x in v.items() if o != "name"})
+        else:
+            out[k] = v
+    return out
+
+
 def differences(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
     """``["algorithm.mu: 1.0 -> 5.0", ...]``: the fingerprinted settings that differ
     between two configuration dicts (components compared option by option)."""
-
-    def flat(tree: Mapping[str, Any]) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for k, v in tree.items():
-            if k in EXECUTION_SETTINGS:
-                continue
-            if isinstance(v, Mapping):
-                out[k] = v.get("name")
-                out.update({f"{k}.{o}": x for o, x in v.items() if o != "name"})
-            else:
-                out[k] = v
-        return out
-
     a, b = (
-        {k: v for k, v in flat(tree).items() if not _neutral(k, v)}
+        {k: v for k, v in flat_settings(tree).items() if not _neutral(k, v)}
         for tree in (old, new)
     )
     return [f"{k}: {a.get(k, '(unset)')} -> {b.get(k, '(unset)')}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
@@ -248,12 +282,20 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
 
 
 def apply_overrides(tree: dict[str, Any], overrides: Sequence[str]) -> None:
-    """Apply ``key=value`` overrides to a settings tree (component names first, so that
-    ``algorithm.mu=5 algorithm=moon`` keeps ``mu``). An option of the run's algorithm may
+    """Apply ``key=value`` overrides to a settings tree (:func:`apply_settings`)."""
+    apply_settings(tree, parse_overrides(overrides))
+
+
+def apply_settings(tree: dict[str, Any], pairs: Sequence[tuple[str, Any]]) -> None:
+    """Apply ``(key, value)`` settings to a settings tree, component names first, so that
+    ``algorithm.mu=5 algorithm=moon`` keeps ``mu``. An option of the run's algorithm may
     also be written with the algorithm's name, ``moon.mu=5`` with ``algorithm=moon``, as
-    ``contrafl compare`` takes it."""
-    pairs = parse_overrides(overrides)
+    ``contrafl compare`` takes it. Values are strings from the command line or parsed
+    YAML values (a component given as a mapping merges as in a YAML file)."""
     for key, value in sorted(pairs, key=lambda kv: "." in kv[0]):
+        if key in COMPONENTS and not isinstance(value, str):
+            merge(tree, {key: value}, f"{key}={value}")
+            continue
         head, dot, option = key.partition(".")
         if dot and head not in COMPONENTS:
             algorithm = tree.get("algorithm") or Config().algorithm

@@ -1,9 +1,11 @@
-"""Console progress: one line per round with loss, accuracy and ETA."""
+"""Console progress: one line per round with loss, accuracy and ETA, and the clients
+done within a long round."""
 
 from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from typing import TextIO
 
 
@@ -13,43 +15,68 @@ def clock_text(seconds: float) -> str:
 
 
 class Progress:
-    """Prints a bar per round; on a terminal the current round's line updates live."""
+    """Prints a bar per round. On a terminal the current round's line updates live as
+    clients finish; elsewhere (a log file, a suite's output) a round that takes longer
+    than ``every`` seconds gets a line with the clients done every ``every`` seconds.
+    ``clock`` gives the time in seconds (a test passes a fake one)."""
 
-    def __init__(self, rounds: int, stream: TextIO | None = None, width: int = 20, prefix: str = "") -> None:
+    def __init__(
+        self,
+        rounds: int,
+        stream: TextIO | None = None,
+        width: int = 20,
+        prefix: str = "",
+        every: float = 10.0,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
         self.rounds = rounds
         self.stream = stream or sys.stdout
         self.width = width
         self.prefix = prefix
         self.live = self.stream.isatty()
-        self.start = time.perf_counter()
+        self.every = every
+        self.now = clock
+        self.start = self.round_start = self.noted = clock()
         self.done = 0  # rounds done by this process
         self.before = 0  # rounds done before a resume
 
     def resume_at(self, rounds_done: int) -> None:
         """The run continues after ``rounds_done`` rounds done earlier."""
         self.before = rounds_done
-        self.start = time.perf_counter()
+        self.start = self.round_start = self.noted = self.now()
 
     def eta(self) -> float:
         """Seconds left at this process's pace (0 before the first round)."""
         if not self.done:
             return 0.0
-        return (time.perf_counter() - self.start) / self.done * (self.rounds - self.before - self.done)
+        return (self.now() - self.start) / self.done * (self.rounds - self.before - self.done)
 
     def _bar(self, fraction: float) -> str:
         full = int(fraction * self.width)
         return "#" * full + "." * (self.width - full)
 
     def clients(self, round: int, done: int, total: int) -> None:
-        """Clients finished within the current round (terminal only)."""
+        """Clients finished within the current round: the live line on a terminal, else
+        a line at most every ``every`` seconds (none in a shorter round, nor for the
+        round's last client: the round's own line follows)."""
         if self.live:
             msg = f"\r{self.prefix}round {round:>{len(str(self.rounds))}}/{self.rounds} |{self._bar(done / max(total, 1))}| clients {done}/{total}"
             self.stream.write(msg.ljust(78))
             self.stream.flush()
+            return
+        now = self.now()
+        if done < total and now - max(self.round_start, self.noted) >= self.every:
+            self.noted = now
+            self.stream.write(
+                f"{self.prefix}round {round}/{self.rounds}: clients {done}/{total} done, "
+                f"{clock_text(now - self.round_start)} into the round\n"
+            )
+            self.stream.flush()
 
     def round_done(self, row: dict) -> None:
         self.done += 1
-        per_round = (time.perf_counter() - self.start) / self.done
+        self.round_start = self.now()
+        per_round = (self.round_start - self.start) / self.done
         eta = self.eta()
         parts = [
             f"{self.prefix}round {row['round']:>{len(str(self.rounds))}}/{self.rounds}",

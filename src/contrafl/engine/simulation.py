@@ -14,6 +14,9 @@ the metrics so far and the communication totals. Every random stream is derived 
 followed by :meth:`Simulation.run` continues with the same numbers as a run that was
 never stopped. ``summary.json`` always says how the run stands: ``running``,
 ``completed``, ``interrupted`` (SIGINT, SIGTERM, SIGHUP) or ``failed`` (with the error).
+With ``tracking`` set, the config, each round's row and the summary also go to
+TensorBoard, MLflow or CSV files (:mod:`~contrafl.engine.tracking`), after
+``metrics.jsonl``.
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ from .run_dir import CHECKPOINT, RunDir
 from .sampling import sample_schedule
 from .setup import Setup, choose_executor, cpu_cores
 from .signals import interrupts, signal_name, stop_point
+from .tracking import Tracking, open_tracking
 from .validate import check_reply, norm_outliers
 from .vectorized import VectorizedExecutor
 
@@ -187,6 +191,7 @@ class Simulation:
         self.checkpointed = 0  # rounds saved in the run directory's checkpoint
         self.wall_time_before = 0.0  # seconds spent before a resume
         self.checkpoint_seconds = 0.0  # spent writing checkpoints (by this process)
+        self.estimated_time_s: float | None = None  # before round 1 (contrafl.engine.estimate), for the summary
 
     # -- services for the algorithm's client context ----------------------------------
     def initial_state(self, cid: int) -> StateDict:
@@ -213,11 +218,19 @@ class Simulation:
         if run_dir is not None:
             run_dir.write_config(self.cfg)
             run_dir.write_text("partition.json", json.dumps(self.setup.partition.to_json()))
+            counts = {"classes": list(self.setup.data.classes), "counts": self.label_counts.tolist()}
+            run_dir.write_text("label_counts.json", json.dumps(counts))
         status, error = "running", None
+        tracking: Tracking | None = None
         try:
             with interrupts():
                 if run_dir is not None:
                     run_dir.write_json("summary.json", self.summary("running", time.perf_counter() - start))
+                    tracking = open_tracking(cfg.tracking, cfg.tracking_uri, run_dir.path)
+                    if tracking is not None:
+                        tracking.start(cfg.to_dict(), self.history)
+                if self.progress is not None:  # the ETA counts from here, not from a calibration or a store's setup
+                    self.progress.resume_at(self.rounds_done)
                 for t in range(self.rounds_done, cfg.rounds):
                     stop_point()  # a stop requested during the last round (signals.py)
                     round_start = time.perf_counter()
@@ -229,6 +242,8 @@ class Simulation:
                         run_dir.append("timing.jsonl", {"round": t + 1, "seconds": time.perf_counter() - round_start})
                         if (t + 1) % cfg.checkpoint_every == 0 or t + 1 == cfg.rounds:
                             self.save_checkpoint(time.perf_counter() - start)
+                    if tracking is not None:  # after metrics.jsonl and the checkpoint: never loses a round
+                        tracking.log_round(row)
                     if self.progress is not None:
                         self.progress.round_done(row)
             status = "completed"
@@ -244,6 +259,8 @@ class Simulation:
             summary = self.summary(status, time.perf_counter() - start, error)
             if run_dir is not None:
                 run_dir.write_json("summary.json", summary)
+                if tracking is not None:
+                    tracking.finish(summary)
                 run_dir.close()
             self.store.close()
         return summary
@@ -625,6 +642,8 @@ class Simulation:
         summary["wall_time_s"] = round(seconds, 3)
         summary["checkpoint_time_s"] = round(self.checkpoint_seconds, 3)
         summary["seconds_per_round"] = round(seconds / self.rounds_done, 3) if self.rounds_done else None
+        if self.estimated_time_s is not None:
+            summary["estimated_time_s"] = self.estimated_time_s
         return summary
 
 

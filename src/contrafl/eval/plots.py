@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -21,16 +22,16 @@ ANNOTATE_MAX_CELLS = 400
 
 def plot_partition_heatmap(
     counts: np.ndarray,
-    path: str | Path,
+    path: str | Path | BinaryIO,
     classes: Sequence[str] | None = None,
     title: str | None = None,
-) -> Path:
+) -> Path | BinaryIO:
     """Write the class-by-party heatmap of a partition, like MOON's Figure 5.
 
     Args:
         counts: ``[clients, classes]`` number of samples of each class held by each party
             (:meth:`contrafl.data.partition.Partition.counts`).
-        path: PNG file to write; its parent directory must exist.
+        path: PNG file to write (its parent directory must exist), or a binary file object.
         classes: class names for the y axis (class ids when ``None``).
         title: figure title.
 
@@ -64,6 +65,6 @@ def plot_partition_heatmap(
             colour = "white" if value > threshold else "black"
             ax.text(col, row, f"{value:g}", ha="center", va="center", fontsize=8, color=colour)
     fig.tight_layout()
-    path = Path(path)
+    path = path if hasattr(path, "write") else Path(path)
     fig.savefig(path, format="png", dpi=120)
     return path

@@ -93,6 +93,8 @@ def load_suite(path: Path) -> Suite:
         data = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError:
         raise ConfigError(f"{path} is not valid YAML; fix the syntax") from None
+    if "grid" in data and "methods" not in data:
+        raise ConfigError(f"{path} is a sweep file (it has a grid); run it with `contrafl sweep {path}`")
     for key in ("name", "methods"):
         if key not in data:
             raise ConfigError(f"{path} has no '{key}'; an experiment needs a name, a base config and methods")
@@ -404,32 +406,6 @@ def suite_report(out: Path) -> str:
     runs = sum(e["seeds"] for e in results["methods"].values())
     note = f"{runs} completed runs ({'; '.join(executors)}); regenerate with `contrafl report {out} --markdown`"
     return format_table(suite, results, detailed=True) + "\n\n" + note
-
-
-REPORT_BLOCK = re.compile(r"(<!-- report (?P<dir>\S+) -->\n)(?P<body>.*?)(<!-- end report -->)", re.S)
-
-
-def update_tables(path: Path) -> tuple[list[str], list[str]]:
-    """Regenerate, in the markdown file ``path``, every block between
-    ``<!-- report SUITE_DIR -->`` and ``<!-- end report -->`` with :func:`suite_report` of
-    that suite directory; a block whose directory is not here (a suite run on another
-    machine) is left as it is. The suite directories regenerated and those left."""
-    text = Path(path).read_text()
-    blocks = list(REPORT_BLOCK.finditer(text))
-    if not blocks:
-        raise ConfigError(f"{path} has no '<!-- report SUITE_DIR -->' ... '<!-- end report -->' block to regenerate")
-    done, left = [], []
-
-    def regenerate(m: re.Match) -> str:
-        folder = Path(m.group("dir"))
-        if not folder.is_dir():
-            left.append(str(folder))
-            return m.group(0)
-        done.append(str(folder))
-        return m.group(1) + suite_report(folder) + "\n" + m.group(4)
-
-    Path(path).write_text(REPORT_BLOCK.sub(regenerate, text))
-    return done, left
 
 
 def run_path(out: Path, method: str, seed: int) -> Path:

@@ -1,0 +1,279 @@
+"""A new run's time, estimated before round 1 from a short measured calibration.
+
+Local steps of clients of the run's second round (from their initial states) are
+trained as the run's executor trains them, and one evaluation batch is evaluated; the
+estimate scales them to the whole run (``contrafl run`` prints it, ``summary.json``
+keeps it as ``estimated_time_s``):
+
+* local training: every sampled client's local steps in every round (its plan's
+  batches: its samples, the phases' epochs and batch sizes, ``drop_last``) at the
+  measured time of a step. Sequential executor: one client's steps, as many as take
+  about :data:`MEASURE_SECONDS`. Parallel executor: the same with a worker's threads,
+  each round's clients shared among the workers as
+  :func:`~contrafl.engine.parallel.balance` shares them, plus the executor's start
+  (forking its workers), measured on one step per worker. Vectorized executor: a
+  chunk of the round's clients and one client alone, :data:`CALIBRATION_STEPS` steps
+  each, a step's time interpolated linearly in the number of clients still training.
+* evaluation: the time of one evaluation batch, per sample, times the samples each
+  evaluation evaluates (the test set, the clients' test data of the personalised
+  evaluation, the kNN memory bank and queries).
+
+Aggregation, communication accounting and checkpoints are not counted, nor a first
+round cheaper than the others (MOON's has no contrastive term). The calibration trains
+copies of the clients' jobs: the server, the client store, the random streams of the
+run and the global random state stay as they were, so the run computes what it
+computes without it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypeVar
+
+import torch
+from torch.utils import _pytree as pytree
+
+from ..algorithms.base import Phase
+from .executor import Job, SequentialExecutor
+from .parallel import ParallelExecutor, balance
+from .plan import ClientPlan, epoch_batch_sizes
+from .progress import clock_text
+from .vectorized import VectorizedExecutor
+
+if TYPE_CHECKING:
+    from .simulation import Simulation
+
+CALIBRATION_STEPS = 5  # the fewest steps timed
+MEASURE_SECONDS = 0.3  # of timed training per measurement (at most MAX_STEPS steps): well above the jitter of a busy machine
+MAX_STEPS = 50
+REPEATS = 2  # timings of the same steps, the least kept
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """The estimated seconds of a run and how they were found.
+
+    Attributes:
+        seconds: the whole estimate (training and evaluation).
+        train_seconds: local training; ``train_seconds / steps`` is the time of a
+            client's local step at the executor's pace.
+        eval_seconds: evaluation.
+        steps: the clients' local steps of the run.
+        calibration_steps: the local steps the calibration trained.
+    """
+
+    seconds: float
+    train_seconds: float
+    eval_seconds: float
+    steps: int
+    calibration_steps: int
+
+    def line(self) -> str:
+        per_step = self.train_seconds / max(self.steps, 1)
+        return (
+            f"estimated time: ~{clock_text(self.seconds)} (calibrated on {self.calibration_steps} local steps: "
+            f"{per_step:.3g} s/step x {self.steps:,} steps + evaluation {clock_text(self.eval_seconds)})"
+        )
+
+
+def client_steps(sim: Simulation, cid: int, phases: list[Phase]) -> list[int]:
+    """Client ``cid``'s local steps in each of ``phases`` (from the phases' epochs, not
+    an algorithm's per-client override)."""
+    cfg = sim.cfg
+    n = len(sim.rows[cid])
+    return [
+        (phase.epochs if phase.epochs is not None else cfg.local_epochs)
+        * len(epoch_batch_sizes(n, phase.batch_size or cfg.batch_size, cfg.drop_last))
+        for phase in phases
+    ]
+
+
+def head(plan: ClientPlan, steps: int) -> ClientPlan:
+    """The first ``steps`` steps of ``plan``."""
+    steps = min(steps, plan.steps)
+    end = plan.offsets[steps]
+    aug = [{k: v[:end] for k, v in view.items()} for view in plan.aug]
+    return ClientPlan(plan.order[:end], plan.sizes[:steps], aug, frozenset(e for e in plan.epoch_ends if e < steps))
+
+
+def shares(steps: list[int], budget: int) -> list[int]:
+    """``budget`` calibration steps spread over phases of ``steps`` steps, in proportion
+    (at least one in every phase that has steps, at most its steps)."""
+    total = sum(steps)
+    return [min(s, max(1, round(budget * s / total))) if s else 0 for s in steps]
+
+
+class Calibration:
+    """Times local steps of clients of a run's second round (its first in a run of one
+    round), trained from their initial states on copies of their jobs by the run's
+    executor: a first round can be cheaper than the others (MOON has no previous model
+    to contrast with, Orchestra trains no client)."""
+
+    def __init__(self, sim: Simulation, budget: int) -> None:
+        self.sim = sim
+        self.t = min(1, sim.cfg.rounds - 1)
+        self.budget = budget
+        self.phases = sim.algorithm.phases(self.t)
+        self.broadcast = sim.algorithm.broadcast(sim.server, self.t)
+        self.executor = sim.round_executor(self.phases)
+        self.cuda = sim.device.type == "cuda"
+        # the round's clients, most steps first
+        self.cids = sorted(sim.schedule[self.t], key=lambda c: -sum(client_steps(sim, c, self.phases)))
+
+    def job(self, cid: int, budget: int) -> Job:
+        """Client ``cid``'s job cut to ``budget`` steps, its optimiser state a copy."""
+        sim, algo = self.sim, self.sim.algorithm
+        job = sim.client_job(cid, self.t, algo.message_for(self.broadcast, sim.server, cid, self.t), self.phases)[0]
+        cut = shares([p.steps for p in job.plans], budget)
+        opt_state = pytree.tree_map_only(torch.Tensor, torch.clone, job.opt_state)
+        return Job(cid, job.task, [head(p, k) for p, k in zip(job.plans, cut)], job.seed, opt_state)
+
+    def seconds(self, fn: Callable[[T], object], arg: T, warm_up: T | None = None, repeats: int = 1) -> float:
+        """Seconds of ``fn(arg)``, the device synchronised, the least of ``repeats``
+        calls (other work on the machine only slows a call down); after
+        ``fn(warm_up)`` when given (first calls allocate and pick kernels)."""
+        if warm_up is not None:
+            fn(warm_up)
+        times = []
+        for _ in range(repeats):
+            self.sync()
+            start = time.perf_counter()
+            fn(arg)
+            self.sync()
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    def train_seconds(self, train: Callable[[list[Job]], object], jobs: list[Job]) -> float:
+        """Seconds of ``train(jobs)`` after a warm-up on their first steps, the least
+        of :data:`REPEATS` calls."""
+        return self.seconds(train, jobs, [first_step(j) for j in jobs], REPEATS)
+
+    def budget_for(self, step: float) -> int:
+        """Steps that take about :data:`MEASURE_SECONDS` at ``step`` seconds a step
+        (between ``budget`` and :data:`MAX_STEPS`)."""
+        return max(self.budget, min(MAX_STEPS, round(MEASURE_SECONDS / max(step, 1e-6))))
+
+    def client_step(self, train: Callable[[list[Job]], object]) -> tuple[float, int]:
+        """Seconds of a local step of the round's client with the most steps trained
+        by ``train`` (a warm-up step, then :meth:`budget_for` steps, :data:`REPEATS`
+        times), and the steps trained."""
+        cid = self.cids[0]
+        first = self.seconds(train, [self.job(cid, 1)])
+        job = self.job(cid, self.budget_for(first))
+        return self.seconds(train, [job], repeats=REPEATS) / steps_of(job), REPEATS * steps_of(job) + 1
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+
+def first_step(job: Job) -> Job:
+    return Job(job.cid, job.task, [head(p, 1) for p in job.plans], job.seed, job.opt_state)
+
+
+def steps_of(job: Job) -> int:
+    return sum(p.steps for p in job.plans)
+
+
+def estimate(sim: Simulation, budget: int = CALIBRATION_STEPS) -> Estimate | None:
+    """The time of the new run ``sim``, calibrated on ``budget`` local steps (more for
+    the parallel executor) of clients of its second round; None for a run that has
+    done rounds, whose clients train elsewhere (a Flower grid), or whose calibration
+    round has no client that takes a step. Call it before :meth:`Simulation.run`: the
+    run computes what it computes without it."""
+    if sim.transport is not None or sim.rounds_done:
+        return None
+    cpu_state = torch.get_rng_state()
+    cuda_state = torch.cuda.get_rng_state(sim.device) if sim.device.type == "cuda" else None
+    threads = torch.get_num_threads()
+    try:
+        return _estimate(Calibration(sim, budget))
+    finally:
+        torch.set_num_threads(threads)
+        torch.set_rng_state(cpu_state)
+        if cuda_state is not None:
+            torch.cuda.set_rng_state(cuda_state, sim.device)
+
+
+def _estimate(cal: Calibration) -> Estimate | None:
+    sim = cal.sim
+    if not cal.cids or not steps_of(cal.job(cal.cids[0], 1)):  # e.g. Orchestra's first round
+        return None
+    per_round = [[sum(client_steps(sim, c, sim.algorithm.phases(t))) for c in sim.schedule[t]] for t in range(sim.cfg.rounds)]
+    if isinstance(cal.executor, VectorizedExecutor):
+        train_seconds, measured = _vectorized(cal, cal.executor, per_round)
+    elif isinstance(cal.executor, ParallelExecutor) and min(cal.executor.workers, len(cal.cids)) > 1:
+        train_seconds, measured = _parallel(cal, cal.executor, per_round)
+    else:
+        step, measured = cal.client_step(SequentialExecutor(cal.executor.workload).train)
+        train_seconds = step * sum(map(sum, per_round))
+    eval_seconds = _evaluation(cal)
+    return Estimate(train_seconds + eval_seconds, train_seconds, eval_seconds, sum(map(sum, per_round)), measured)
+
+
+def _parallel(cal: Calibration, executor: ParallelExecutor, per_round: list[list[int]]) -> tuple[float, int]:
+    """Training seconds of the rounds with client steps ``per_round`` and the steps
+    measured. A round costs ``start + step * (the busiest worker's steps)``: ``step``
+    is a client's step in this process with a worker's threads, ``start`` what the
+    executor takes beyond one step to train one client per worker for one step (its
+    workers start anew in every round)."""
+    torch.set_num_threads(executor.threads)
+    step, measured = cal.client_step(SequentialExecutor(executor.workload).train)
+    jobs = [first_step(cal.job(c, 1)) for c in cal.cids[: executor.workers]]
+    start = max(cal.seconds(executor.train, jobs) - step, 0.0)
+    workers = min(executor.workers, len(cal.cids))
+    busiest = [max(sum(steps[i] for i in share) for share in balance(steps, min(workers, len(steps)))) for steps in per_round if steps]
+    return len(busiest) * start + step * sum(busiest), measured + len(jobs)
+
+
+def _vectorized(cal: Calibration, executor: VectorizedExecutor, per_round: list[list[int]]) -> tuple[float, int]:
+    """Training seconds of the rounds with client steps ``per_round`` and the steps
+    measured. A step of ``a`` clients costs ``one + slope * (a - 1)``, from a chunk of
+    the round's clients and from one client, each trained ``budget`` steps."""
+    first = cal.job(cal.cids[0], cal.budget)
+    chunk = executor.chunk_size(first)
+    jobs = [first] + [cal.job(c, cal.budget) for c in cal.cids[1:chunk]]
+    lengths = [steps_of(j) for j in jobs]
+    many = cal.train_seconds(executor.train, jobs) / max(lengths)
+    one = cal.train_seconds(executor.train, [first]) / lengths[0]
+    slope = (many - one) / (len(jobs) - 1) if len(jobs) > 1 else 0.0
+    seconds = 0.0
+    for steps in per_round:
+        for i in range(0, len(steps), chunk):  # the executor's chunks, in client order
+            part = steps[i : i + chunk]  # clients still training at a step: sum(part) steps over max(part) steps
+            seconds += max(part) * (one - slope) + slope * sum(part)
+    return seconds, REPEATS * (sum(lengths) + lengths[0]) + len(jobs) + 1
+
+
+def _evaluation(cal: Calibration) -> float:
+    """Seconds of the run's evaluations: one evaluation batch of the global model
+    timed, per sample, times the samples evaluated."""
+    sim = cal.sim
+    cfg, algo = sim.cfg, sim.algorithm
+    source = sim.test if len(sim.test.y) else sim.train
+    x = source.x[: min(cfg.eval_batch_size, len(source.y))]
+
+    @torch.no_grad()
+    def forward(x: torch.Tensor) -> None:
+        sim.net(sim.server.model, sim.setup.eval_transform(x), train=False)
+
+    per_sample = cal.seconds(forward, x, x) / max(len(x), 1)
+
+    def due(every: int, t: int) -> bool:
+        return t % every == 0 or t == cfg.rounds
+
+    samples = 0
+    n_test = len(sim.test.y)
+    for t in range(1, cfg.rounds + 1):
+        if due(cfg.eval_every, t):
+            if algo.evaluates_global and algo.supervised:
+                samples += n_test
+            if cfg.eval_personal:
+                test = sim.setup.partition.test
+                samples += sum(len(r) for r in test) if test is not None else cfg.num_clients * n_test
+        if cfg.knn_every and due(cfg.knn_every, t):
+            samples += len(sim.train.y) + n_test
+    return per_sample * samples

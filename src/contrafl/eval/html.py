@@ -1,0 +1,497 @@
+"""``contrafl report --html``: one self-contained HTML page of runs, suites and sweeps.
+
+Every number and figure comes from the run directories (``config.yaml``,
+``metrics.jsonl``, ``summary.json``, ``representation/``, ``label_counts.json``) and the
+records of the suites and sweeps that made them; images are embedded as PNG data, so
+the file can be mailed or archived alone. The page has:
+
+- the results, a table per metric family: global models (test accuracy, mean ± std over
+  seeds), personalised models (PFLlib's metric: the sample-weighted client accuracy at
+  the final and best round with the std over clients), self-supervised encoders (kNN
+  accuracy and the probes run with ``contrafl eval-repr``), the paper's number beside
+  ours with the difference where a suite gives it, and the state of every run;
+- accuracy per round, the mean over seeds with a ± std band, a figure per family;
+- the accuracy of every client (box and points) and the fairness summary: std over
+  clients, the mean of the worst 10 %, min and max;
+- the partition heatmaps and the t-SNE figures of ``contrafl plot-repr``;
+- the list of runs (failed and stopped runs with their errors) and the command that
+  regenerates the page.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+import re
+import shlex
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .. import __version__
+from ..config import fingerprint, flat_settings
+from ..errors import ContraflError
+from .metrics import mean_std
+from .report import METRICS, Metric, find_runs, read_run, run_metric, worst_fraction
+
+PROBE_FILES = ("knn", "linear", "finetune-1%", "finetune-10%", "finetune")
+"""Files of ``representation/`` whose accuracy the SSL table shows (those present)."""
+
+
+@dataclass
+class Run:
+    path: Path
+    name: str
+    config: dict[str, Any]
+    rows: list[dict[str, Any]]
+    summary: dict[str, Any]
+
+    @property
+    def status(self) -> str:
+        return self.summary.get("status", "unknown")
+
+    @property
+    def metric(self) -> Metric | None:
+        return run_metric(self.rows)
+
+
+@dataclass
+class Group:
+    """The runs of one configuration over seeds (a suite's method, a sweep's cell)."""
+
+    label: str
+    runs: list[Run] = field(default_factory=list)
+    paper: Any = None
+
+    @property
+    def completed(self) -> list[Run]:
+        return [r for r in self.runs if r.status == "completed" and r.metric is not None]
+
+    @property
+    def metric(self) -> Metric | None:
+        return next((r.metric for r in self.completed), None)
+
+
+def _records(paths: Sequence[Path]) -> dict[Path, tuple[str, Any]]:
+    """Run directory -> (group label, paper number) from the suites and sweeps among
+    ``paths`` (their ``suite.json`` or ``sweep.json``)."""
+    from .suite import SUITE_RECORD, Suite, run_path, split_method
+    from .sweep import SWEEP_RECORD, Sweep
+
+    found: dict[Path, tuple[str, Any]] = {}
+    for path in map(Path, paths):
+        if (path / SWEEP_RECORD).is_file():
+            sweep = Sweep(**json.loads((path / SWEEP_RECORD).read_text())["sweep"])
+            suite, paper = sweep.suite(), {}
+        elif (path / SUITE_RECORD).is_file():
+            suite = Suite(**json.loads((path / SUITE_RECORD).read_text())["suite"])
+            paper = suite.paper
+        else:
+            continue
+        for method in suite.methods:
+            number = paper.get(method, paper.get(split_method(suite, method)[1]))
+            for seed in suite.seeds:
+                found[run_path(path, method, seed).absolute()] = (method, number)
+    return found
+
+
+def group_runs(paths: Sequence[Path]) -> list[Group]:
+    """The runs below ``paths`` grouped by configuration except the seed: by method or
+    cell for suites and sweeps, else by what differs between the runs' settings."""
+    records = _records(paths)
+    groups: dict[str, Group] = {}
+    loose: dict[str, list[Run]] = {}
+    for path, name in find_runs(paths):
+        config, rows, summary = read_run(path)
+        run = Run(path, name, config, rows, summary)
+        if path.absolute() in records:
+            label, paper = records[path.absolute()]
+            groups.setdefault(label, Group(label, paper=paper)).runs.append(run)
+        else:
+            loose.setdefault(fingerprint({**config, "seed": 0}), []).append(run)
+    if loose:  # named by their algorithm, or by the settings that tell them apart
+        flats = {key: {k: v for k, v in flat_settings(runs[0].config).items() if k != "seed"} for key, runs in loose.items()}
+        keys = sorted({k for f in flats.values() for k in f})
+        varying = [k for k in keys if len({json.dumps(f.get(k), default=str) for f in flats.values()}) > 1]
+        unique = len({f["algorithm"] for f in flats.values()}) == len(flats)
+        for key, runs in loose.items():
+            label = _algorithm(runs[0].config) if unique or not varying else " ".join(f"{k}={flats[key].get(k)}" for k in varying)
+            while label in groups:
+                label += "'"
+            groups[label] = Group(label, runs)
+    return list(groups.values())
+
+
+def _algorithm(config: Mapping[str, Any]) -> str:
+    algo = config.get("algorithm", "?")
+    return str(algo.get("name") if isinstance(algo, Mapping) else algo)
+
+
+# -- numbers ---------------------------------------------------------------------------
+
+
+def _pct(values: Sequence[float]) -> str:
+    mean, std = mean_std(list(values))
+    return f"{100 * mean:.2f} ± {100 * std:.2f}" if len(values) > 1 else f"{100 * mean:.2f}"
+
+
+def _paper_value(paper: Any) -> float | None:
+    """The first number of a paper cell (``"69.1 ± 0.4"`` -> 69.1), in %."""
+    match = re.search(r"-?\d+(\.\d+)?", str(paper)) if paper is not None else None
+    return float(match.group(0)) if match else None
+
+
+def _evaluated(run: Run, key: str) -> list[dict]:
+    return [r for r in run.rows if r.get(key) is not None]
+
+
+def _probe(run: Run, name: str) -> float | None:
+    path = run.path / "representation" / f"{name}.json"
+    try:
+        return float(json.loads(path.read_text())["acc"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _states(group: Group) -> str:
+    counts: dict[str, int] = {}
+    for run in group.runs:
+        counts[run.status] = counts.get(run.status, 0) + 1
+    return ", ".join(f"{n} {s}" for s, n in counts.items())
+
+
+def _paper_cells(group: Group, ours: float | None) -> list[str]:
+    paper = _paper_value(group.paper)
+    if paper is None:
+        return ["", ""]
+    diff = "" if ours is None else f"{100 * ours - paper:+.2f}"
+    return [html.escape(str(group.paper)), diff]
+
+
+def results_tables(groups: Sequence[Group]) -> list[tuple[str, list[list[str]]]]:
+    """(title, rows with a header row) of each metric family present."""
+    tables = []
+    with_paper = any(g.paper is not None for g in groups)
+    paper_head = ["paper", "ours − paper"] if with_paper else []
+    by_family: dict[str, list[Group]] = {}
+    for g in groups:
+        by_family.setdefault(g.metric.key if g.metric else "none", []).append(g)
+    if "test_acc" in by_family:
+        rows = [["configuration", "final test acc (%)", "best test acc (%)", "seeds", *paper_head, "runs"]]
+        for g in by_family["test_acc"]:
+            finals = [_evaluated(r, "test_acc")[-1]["test_acc"] for r in g.completed]
+            bests = [max(x["test_acc"] for x in _evaluated(r, "test_acc")) for r in g.completed]
+            seeds = ", ".join(str(r.config.get("seed")) for r in g.completed)
+            paper = _paper_cells(g, mean_std(finals)[0]) if with_paper else []
+            rows.append([g.label, _pct(finals), _pct(bests), seeds, *paper, _states(g)])
+        tables.append(("Global model: test accuracy, mean ± std over seeds", rows))
+    if "personal_acc" in by_family:
+        rows = [["configuration", "final client acc (%)", "client std (%)", "best client acc (%)", "client std at best (%)",
+                 "best rounds", "seeds", *paper_head, "runs"]]
+        for g in by_family["personal_acc"]:
+            finals = [_evaluated(r, "personal_acc")[-1] for r in g.completed]
+            bests = [max(_evaluated(r, "personal_acc"), key=lambda x: x["personal_acc"]) for r in g.completed]
+            paper = _paper_cells(g, mean_std([b["personal_acc"] for b in bests])[0]) if with_paper else []
+            rows.append([
+                g.label,
+                _pct([f["personal_acc"] for f in finals]),
+                f"{100 * mean_std([f['personal_acc_std'] for f in finals])[0]:.2f}",
+                _pct([b["personal_acc"] for b in bests]),
+                f"{100 * mean_std([b['personal_acc_std'] for b in bests])[0]:.2f}",
+                ", ".join(str(b["round"]) for b in bests),
+                ", ".join(str(r.config.get("seed")) for r in g.completed),
+                *paper,
+                _states(g),
+            ])
+        tables.append(("Personalised models: sample-weighted client accuracy (PFLlib's metric: the best round), "
+                       "mean ± std over seeds; client std: the std over clients", rows))
+    if "knn_acc" in by_family:
+        family = by_family["knn_acc"]
+        probes = [p for p in PROBE_FILES if any(_probe(r, p) is not None for g in family for r in g.completed)]
+        rows = [["configuration", "final kNN acc (%)", "best kNN acc (%)", *[f"{p} (%)" for p in probes], "seeds", *paper_head, "runs"]]
+        for g in family:
+            finals = [_evaluated(r, "knn_acc")[-1]["knn_acc"] for r in g.completed]
+            bests = [max(x["knn_acc"] for x in _evaluated(r, "knn_acc")) for r in g.completed]
+            cells = []
+            for p in probes:
+                values = [v for v in (_probe(r, p) for r in g.completed) if v is not None]
+                cells.append(_pct(values) if values else "-")
+            paper = _paper_cells(g, mean_std(finals)[0]) if with_paper else []
+            seeds = ", ".join(str(r.config.get("seed")) for r in g.completed)
+            rows.append([g.label, _pct(finals), _pct(bests), *cells, seeds, *paper, _states(g)])
+        tables.append(("Self-supervised encoders: kNN accuracy and probes (contrafl eval-repr), mean ± std over seeds", rows))
+    if "none" in by_family:
+        rows = [["configuration", "runs"]] + [[g.label, _states(g)] for g in by_family["none"]]
+        tables.append(("Without a completed, evaluated run", rows))
+    return tables
+
+
+def fairness_rows(groups: Sequence[Group]) -> list[list[str]]:
+    """Per configuration with per-client evaluation, at its final round (mean over
+    seeds): clients, std over clients, the mean of the worst 10 %, min and max."""
+    rows = [["configuration", "clients", "client acc (%)", "std (%)", "worst 10% (%)", "min (%)", "max (%)"]]
+    for g in groups:
+        finals = [_evaluated(r, "client_acc")[-1] for r in g.completed if _evaluated(r, "client_acc")]
+        if not finals:
+            continue
+        accs = [[a for a in f["client_acc"] if a is not None] for f in finals]
+        rows.append([
+            g.label,
+            str(len(accs[0])),
+            f"{100 * mean_std([f['personal_acc'] for f in finals])[0]:.2f}",
+            f"{100 * mean_std([float(np.std(a)) for a in accs])[0]:.2f}",
+            f"{100 * mean_std([worst_fraction(a) for a in accs])[0]:.2f}",
+            f"{100 * mean_std([min(a) for a in accs])[0]:.2f}",
+            f"{100 * mean_std([max(a) for a in accs])[0]:.2f}",
+        ])
+    return rows
+
+
+# -- figures ---------------------------------------------------------------------------
+
+
+def _figure(width: float, height: float):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width, height), dpi=110)
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def _png(fig) -> bytes:
+    buffer = io.BytesIO()
+    fig.tight_layout()
+    fig.savefig(buffer, format="png")
+    return buffer.getvalue()
+
+
+def curves_figure(groups: Sequence[Group], metric: Metric) -> bytes | None:
+    """``metric`` per round of each configuration: the mean over its completed seeds
+    (the rounds all of them evaluated) and a ± std band."""
+    from matplotlib.ticker import MaxNLocator
+
+    fig = _figure(7, 4.2)
+    ax = fig.add_subplot(1, 1, 1)
+    drawn = 0
+    for g in groups:
+        if g.metric != metric:
+            continue
+        curves = [{r["round"]: r[metric.key] for r in _evaluated(run, metric.key)} for run in g.completed]
+        rounds = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
+        if not rounds:
+            continue
+        values = np.array([[100 * c[t] for t in rounds] for c in curves])
+        mean, std = values.mean(axis=0), values.std(axis=0)
+        (line,) = ax.plot(rounds, mean, marker="o" if len(rounds) < 15 else None, ms=3, label=f"{g.label} ({len(curves)} seeds)")
+        if len(curves) > 1:
+            ax.fill_between(rounds, mean - std, mean + std, color=line.get_color(), alpha=0.2, lw=0)
+        drawn += 1
+    if not drawn:
+        return None
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("round")
+    ax.set_ylabel(f"{metric.label} (%)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    return _png(fig)
+
+
+def clients_figure(groups: Sequence[Group]) -> bytes | None:
+    """Every client's accuracy at the final round (all completed seeds), a box and the
+    points of each configuration with per-client evaluation."""
+    data = []
+    for g in groups:
+        accs = [100 * a for r in g.completed if _evaluated(r, "client_acc") for a in _evaluated(r, "client_acc")[-1]["client_acc"] if a is not None]
+        if accs:
+            data.append((g.label, accs))
+    if not data:
+        return None
+    fig = _figure(max(5.0, 1.2 * len(data) + 2), 4.2)
+    ax = fig.add_subplot(1, 1, 1)
+    ax.boxplot([a for _, a in data], showfliers=False, widths=0.5)
+    rng = np.random.default_rng(0)  # the points' horizontal jitter only
+    for i, (_, accs) in enumerate(data, start=1):
+        ax.scatter(i + rng.uniform(-0.15, 0.15, len(accs)), accs, s=9, alpha=0.6, color="tab:blue", zorder=3)
+    ax.set_xticks(range(1, len(data) + 1), labels=[label for label, _ in data], rotation=20, ha="right", fontsize=7)
+    ax.set_ylabel("client accuracy at the final round (%)")
+    ax.grid(alpha=0.3, axis="y")
+    return _png(fig)
+
+
+def label_counts(run: Run) -> tuple[np.ndarray, list[str]] | None:
+    """``[clients, classes]`` samples per client and class of a run's training
+    partition, with the class names: from ``label_counts.json``, else counted from
+    ``partition.json`` and the dataset's labels when the dataset loads here; None
+    otherwise."""
+    path = run.path / "label_counts.json"
+    if path.is_file():
+        data = json.loads(path.read_text())
+        return np.asarray(data["counts"]), list(data["classes"])
+    try:
+        from ..config import load_config
+        from ..data.partition import Partition
+        from ..engine.setup import load_data, resolve
+
+        data, _ = load_data(resolve(load_config(run.path / "config.yaml")))
+        partition = Partition.load(run.path / "partition.json")
+        return partition.counts(data.train.y.numpy(), data.num_classes), list(data.classes)
+    except Exception:  # a dataset not on this machine: no heatmap for this run
+        return None
+
+
+def partition_figures(groups: Sequence[Group], limit: int = 6) -> list[tuple[str, bytes]]:
+    """The heatmap of each distinct partition of the runs' first seeds (at most
+    ``limit``), titled with the configurations that share it."""
+    from .plots import plot_partition_heatmap
+
+    seen: dict[str, tuple[Run, list[str]]] = {}
+    for g in groups:
+        for run in g.runs[:1]:
+            key = json.dumps([run.config.get(k) for k in ("dataset", "partition", "num_clients", "seed", "test_fraction", "pool")], default=str)
+            seen.setdefault(key, (run, []))[1].append(g.label)
+    figures = []
+    for run, labels in list(seen.values())[:limit]:
+        counts = label_counts(run)
+        if counts is None:
+            continue
+        buffer = io.BytesIO()
+        partition = run.config.get("partition")
+        title = f"{json.dumps(partition, default=str)}, seed {run.config.get('seed')}"
+        plot_partition_heatmap(counts[0], buffer, classes=counts[1], title=title)
+        figures.append((", ".join(labels), buffer.getvalue()))
+    return figures
+
+
+def tsne_figures(groups: Sequence[Group]) -> list[tuple[str, bytes]]:
+    """The t-SNE figures ``contrafl plot-repr`` wrote in the runs."""
+    return [
+        (f"{g.label}, {run.name}", (run.path / "representation" / "tsne.png").read_bytes())
+        for g in groups
+        for run in g.runs
+        if (run.path / "representation" / "tsne.png").is_file()
+    ]
+
+
+# -- the page --------------------------------------------------------------------------
+
+STYLE = """
+body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1100px; color: #111; background: #fff; }
+h1 { font-size: 1.5em; } h2 { font-size: 1.2em; margin-top: 2em; border-bottom: 1px solid #ccc; }
+table { border-collapse: collapse; margin: 0.6em 0 1.2em; font-size: 0.85em; }
+th, td { border: 1px solid #bbb; padding: 0.25em 0.6em; text-align: left; }
+th { background: #eee; } td.num { text-align: right; font-variant-numeric: tabular-nums; }
+img { max-width: 100%; border: 1px solid #ddd; margin: 0.4em 0; } img.small { max-width: 640px; }
+code, pre { background: #f4f4f4; padding: 0.1em 0.3em; }
+.failed { color: #111; font-weight: bold; } .caption { font-size: 0.85em; color: #333; }
+"""
+
+
+def _table(rows: list[list[str]], escape: bool = True) -> str:
+    head, *body = rows
+    numeric = re.compile(r"^[-+]?\d[\d., ±%-]*$")
+
+    def cell(tag: str, value: str) -> str:
+        text = html.escape(value) if escape else value
+        cls = ' class="num"' if tag == "td" and numeric.match(value or "") else ""
+        return f"<{tag}{cls}>{text}</{tag}>"
+
+    lines = ["<table>", "<tr>" + "".join(cell("th", h) for h in head) + "</tr>"]
+    lines += ["<tr>" + "".join(cell("td", c) for c in row) + "</tr>" for row in body]
+    return "\n".join(lines + ["</table>"])
+
+
+def _image(png: bytes, alt: str, small: bool = False) -> str:
+    cls = ' class="small"' if small else ""
+    return f'<img{cls} alt="{html.escape(alt)}" src="data:image/png;base64,{base64.b64encode(png).decode()}">'
+
+
+def render(paths: Sequence[Path], command: str, title: str | None = None) -> str:
+    """The HTML page of the runs below ``paths``; ``command`` regenerates it."""
+    groups = group_runs(paths)
+    if not groups:
+        raise ContraflError(f"no runs in {', '.join(map(str, paths))}")
+    runs = [r for g in groups for r in g.runs]
+    title = title or "contrafl report: " + ", ".join(str(p) for p in paths)
+    parts = [
+        "<!DOCTYPE html>",
+        '<html lang="en"><head><meta charset="utf-8">',
+        f"<title>{html.escape(title)}</title><style>{STYLE}</style></head><body>",
+        f"<h1>{html.escape(title)}</h1>",
+        f'<p class="caption">{len(runs)} runs in {len(groups)} configurations; made by contrafl {__version__} on '
+        f"{time.strftime('%Y-%m-%d %H:%M')} from the run directories. Regenerate with <code>{html.escape(command)}</code></p>",
+        "<h2>Results</h2>",
+    ]
+    for caption, rows in results_tables(groups):
+        parts += [f'<p class="caption">{html.escape(caption)}</p>', _table(rows)]
+    families = [m for m in METRICS if any(g.metric == m for g in groups)]
+    curves = [(m, curves_figure(groups, m)) for m in families]
+    if any(png for _, png in curves):
+        parts.append("<h2>Accuracy per round</h2>")
+        for metric, png in curves:
+            if png:
+                parts += [f'<p class="caption">{html.escape(metric.label)}: mean over seeds, band ± std</p>', _image(png, f"{metric.label} per round")]
+    fairness = fairness_rows(groups)
+    if len(fairness) > 1:
+        parts += [
+            "<h2>Clients</h2>",
+            '<p class="caption">Accuracy of every client at the final round (each completed seed), and the spread '
+            "over clients (mean over seeds): std, the mean of the worst 10% of clients, min and max</p>",
+        ]
+        png = clients_figure(groups)
+        if png:
+            parts.append(_image(png, "client accuracies"))
+        parts.append(_table(fairness))
+    heatmaps = partition_figures(groups)
+    if heatmaps:
+        parts.append("<h2>Partitions</h2>")
+        for caption, png in heatmaps:
+            parts += [f'<p class="caption">samples per client and class: {html.escape(caption)}</p>', _image(png, "partition heatmap", small=True)]
+    tsne = tsne_figures(groups)
+    if tsne:
+        parts.append("<h2>Representations (t-SNE)</h2>")
+        for caption, png in tsne:
+            parts += [f'<p class="caption">{html.escape(caption)}</p>', _image(png, "t-SNE of representations")]
+    parts += ["<h2>Runs</h2>", _table(_run_rows(groups))]
+    errors = [f"{r.name}: {r.status}: {r.summary['error']}" for r in runs if r.summary.get("error")]
+    if errors:
+        parts.append("<ul>" + "".join(f'<li class="failed">{html.escape(e)}</li>' for e in errors) + "</ul>")
+    parts.append("</body></html>")
+    return "\n".join(parts) + "\n"
+
+
+def _run_rows(groups: Sequence[Group]) -> list[list[str]]:
+    rows = [["run", "configuration", "status", "rounds", "metric", "final (%)", "seconds", "executor"]]
+    for g in groups:
+        for run in g.runs:
+            metric = run.metric
+            final = _evaluated(run, metric.key)[-1][metric.key] if metric else None
+            wall = run.summary.get("wall_time_s")
+            rows.append([
+                run.name,
+                g.label,
+                run.status,
+                f"{run.rows[-1]['round'] if run.rows else 0}/{run.config.get('rounds', '?')}",
+                metric.label if metric else "-",
+                "-" if final is None else f"{100 * final:.2f}",
+                "-" if wall is None else f"{wall:.0f}",
+                str(run.summary.get("executor", run.config.get("executor", "?"))),
+            ])
+    return rows
+
+
+def write_html(paths: Sequence[Path], out: Path, argv: Sequence[str] | None = None) -> Path:
+    """Write the report of ``paths`` to ``out``; ``argv`` is the regenerating command's
+    arguments (default: ``contrafl report PATHS --html OUT``)."""
+    argv = list(argv) if argv is not None else ["report", *map(str, paths), "--html", str(out)]
+    page = render(paths, "contrafl " + shlex.join(argv))
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(page, encoding="utf-8")
+    return out

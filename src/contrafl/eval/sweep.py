@@ -1,0 +1,535 @@
+"""Sweeps: the cartesian product of settings, each cell run over several seeds.
+
+A sweep file has::
+
+    name: beta sweep on digits           # optional (default: the file's name)
+    base: {dataset: digits, rounds: 3}   # settings shared by every run
+    grid:                                # KEY: [values]; every combination is a cell
+      algorithm: [fedavg, moon]
+      partition.beta: [0.1, 0.5]
+      moon.mu: [1, 5]                    # NAME.OPTION: only in the cells of algorithm NAME
+    seeds: [0, 1]                        # or a count: 2
+
+A grid key is any setting of ``contrafl run`` (``lr``, ``num_clients``, ``rounds``), a
+component (``algorithm``, ``dataset``, ``partition``, ``model``: a name or a mapping with
+a name and options) or a component's option (``partition.beta``, ``algorithm.mu``). An
+option written with an algorithm's name, ``moon.mu``, applies to the cells that run that
+algorithm and is left out of the others, so the grid above has 2 x 2 FedAvg cells and
+2 x 2 x 2 MOON cells, not 2 x 2 x 2 x 2.
+
+A sweep is run as a suite (:mod:`contrafl.eval.suite`) whose methods are its cells: each
+run goes to ``OUT/<cell>/seed<k>/``, a finished run with the same settings is reused and a
+stopped one resumes from its checkpoint. Runs go to ``workers`` processes of ``contrafl
+run``, each on its share of the CPU cores; ``OUT/sweep.json`` records the sweep and
+``OUT/results.md`` its table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+import yaml
+
+from .. import params as P
+from ..config import COMPONENTS, SETTINGS, Component, Config, apply_settings, merge, parse_overrides
+from ..engine.progress import clock_text
+from ..engine.run_dir import read_summary, to_json
+from ..engine.signals import exit_code, interrupts, signal_name, stop_point
+from ..errors import ConfigError
+from .metrics import mean_std
+from .report import METRICS, Metric, _format, read_run, run_metric
+from .suite import Cell, Suite, _inspect, _paths_from, _slug, resolved_configs, run_path
+
+SWEEP_RECORD = "sweep.json"  # the sweep, its overrides and cells, in its output directory
+
+
+@dataclass
+class Sweep:
+    """A grid of settings (axis -> values) over ``base``, each cell run with ``seeds``."""
+
+    name: str
+    base: dict[str, Any]
+    grid: dict[str, list[Any]]
+    seeds: list[int] = field(default_factory=lambda: [0])
+    description: str = ""
+
+    def cells(self) -> dict[str, list[tuple[str, Any]]]:
+        """Every cell's name and settings, in grid order: the cartesian product of the
+        axes, without the ``NAME.OPTION`` axes of algorithms a cell does not run (the
+        cells that differ only there are one cell)."""
+        base_algorithm = _algorithm_name(self.base.get("algorithm", "fedavg"))
+        cells: dict[str, list[tuple[str, Any]]] = {}
+        for values in itertools.product(*self.grid.values()):
+            pairs = list(zip(self.grid, values))
+            algorithm = next((_algorithm_name(v) for k, v in pairs if k == "algorithm"), base_algorithm)
+            kept = [(k, v) for k, v in pairs if _applies(k, algorithm)]
+            cells.setdefault(" ".join(f"{k}={_text(v)}" for k, v in kept) or "base", kept)
+        return cells
+
+    def suite(self) -> Suite:
+        """The sweep as a suite with a method per cell (each holding the components
+        and settings its cell sets, resolved on top of ``base``)."""
+        methods = {}
+        for name, pairs in self.cells().items():
+            tree: dict[str, Any] = {}
+            merge(tree, self.base, f"{self.name} base")
+            apply_settings(tree, pairs)
+            heads = {_head(k) for k, _ in pairs}
+            methods[name] = {k: v.as_yaml() if isinstance(v, Component) else v for k, v in tree.items() if k in heads}
+        return Suite(name=self.name, base=self.base, methods=methods, seeds=self.seeds, description=self.description)
+
+
+def _algorithm_name(value: Any) -> str:
+    return str(value.get("name", "")) if isinstance(value, Mapping) else str(value)
+
+
+def _head(key: str) -> str:
+    """The tree entry a grid key sets: ``partition.beta`` -> partition, ``moon.mu`` ->
+    algorithm, ``lr`` -> lr."""
+    head, dot, _ = key.partition(".")
+    return head if not dot or head in COMPONENTS else "algorithm"
+
+
+def _applies(key: str, algorithm: str) -> bool:
+    """Whether grid axis ``key`` applies to a cell running ``algorithm``."""
+    head, dot, _ = key.partition(".")
+    return not dot or head in COMPONENTS or P.fold(head) == P.fold(algorithm)
+
+
+def _text(value: Any) -> str:
+    """A grid value as a cell name shows it: ``moon(mu=5)`` for a mapping with a name."""
+    if isinstance(value, Mapping):
+        options = ",".join(f"{k}={_text(v)}" for k, v in value.items() if k != "name")
+        return f"{value.get('name', '')}({options})" if options else str(value.get("name", ""))
+    if isinstance(value, bool) or value is None:
+        return json.dumps(value)
+    return str(value)
+
+
+def load_sweep(path: Path) -> Sweep:
+    """Read and check a sweep file (every axis and value is checked when the cells'
+    configurations are resolved, before the first run starts)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"sweep file not found: {path}; write one as in docs/sweeps.md")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError:
+        raise ConfigError(f"{path} is not valid YAML; fix the syntax") from None
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{path} must hold a mapping with base, grid and seeds (docs/sweeps.md)")
+    unknown = set(data) - {"name", "description", "base", "grid", "seeds"}
+    if unknown:
+        raise ConfigError(f"{path}: unknown key '{sorted(unknown)[0]}'; a sweep file has name, description, base, grid and seeds")
+    grid = data.get("grid")
+    if not isinstance(grid, Mapping) or not grid:
+        raise ConfigError(f"{path} has no 'grid'; give the settings to vary, e.g. grid: {{algorithm: [fedavg, moon], partition.beta: [0.1, 0.5]}}")
+    axes: dict[str, list[Any]] = {}
+    for key, values in grid.items():
+        key = str(key)
+        head, dot, _ = key.partition(".")
+        if key == "seed":
+            raise ConfigError(f"{path}: vary the seed with 'seeds: [0, 1, 2]', not as a grid axis")
+        if not dot and key not in COMPONENTS and key not in SETTINGS:
+            raise ConfigError(f"{path}: grid key '{key}' is not a setting{P.suggest(key, SETTINGS + list(COMPONENTS))}; see `contrafl run --help`")
+        values = values if isinstance(values, list) else [values]
+        if not values:
+            raise ConfigError(f"{path}: grid key '{key}' has no values; give a list, e.g. {key}: [a, b]")
+        axes[key] = values
+    algorithms = {_algorithm_name(v) for v in axes.get("algorithm", [(data.get("base") or {}).get("algorithm", "fedavg")])}
+    for key in axes:
+        head, dot, _ = key.partition(".")
+        if dot and head not in COMPONENTS and not any(_applies(key, a) for a in algorithms):
+            raise ConfigError(
+                f"{path}: grid key '{key}' sets an option of algorithm {head}, which no cell runs "
+                f"(algorithms: {', '.join(sorted(algorithms))}); add {head} to the algorithm axis or write algorithm.{key.partition('.')[2]}"
+            )
+    seeds = data.get("seeds", [0])
+    seeds = list(range(seeds)) if isinstance(seeds, int) else [int(s) for s in seeds]
+    if not seeds or min(seeds) < 0 or len(set(seeds)) != len(seeds):
+        raise ConfigError(f"{path}: seeds {data.get('seeds')!r} is invalid; give a count (3) or distinct seeds >= 0 ([0, 1, 2])")
+    return Sweep(
+        name=str(data.get("name") or path.stem),
+        description=str(data.get("description", "")),
+        base=_paths_from(data.get("base") or {}, path.parent),
+        grid=axes,
+        seeds=seeds,
+    )
+
+
+def default_workers(configs: Sequence[Any]) -> int:
+    """Processes for a sweep when not given: one per CPU core (a run of the small models
+    of a sweep uses one core well), one in all for runs on a GPU."""
+    from ..engine.setup import cpu_cores
+
+    if any(c.device == "cuda" for c in configs):
+        return 1
+    return cpu_cores()
+
+
+@dataclass
+class _Job:
+    cell: Cell
+    process: subprocess.Popen
+    log: Path
+    start: float
+    slot: int
+
+
+def run_sweep(
+    sweep: Sweep,
+    out: Path,
+    overrides: Sequence[str] = (),
+    workers: int | None = None,
+    stream: TextIO | None = None,
+    dry_run: bool = False,
+) -> dict[str, Any]:
+    """Run (or resume) every cell x seed of ``sweep`` into ``out`` with ``workers``
+    processes; its results (:func:`collect`), also written to ``out``.
+
+    Each run is a ``contrafl run`` process (``--resume`` for a stopped one) pinned to its
+    share of the CPU cores, its output in ``out/logs/``. A failed run is reported and the
+    others go on. On SIGINT, SIGTERM or SIGHUP every running run is asked to stop at its
+    next safe point (it keeps its checkpoint) and :class:`~contrafl.engine.signals.
+    Interrupted` is raised with ``summary`` (what is done, stopped and left) as an
+    attribute; the next call continues.
+    """
+    from ..engine.setup import check_data_dir, cpu_cores
+
+    stream = stream or sys.stdout
+    suite = sweep.suite()
+    for key, value in parse_overrides(overrides):
+        if key == "seed":
+            raise ConfigError(f"seed={value} is set for each run by the sweep's seeds; choose them with --seeds")
+    configs = resolved_configs(suite, overrides)  # every cell checked before the first run
+    cells = [Cell(m, s, configs[m, s], run_path(out, m, s)) for m in suite.methods for s in suite.seeds]
+    # how each run executes is chosen by its own process, on its share of the cores
+    where = {(c.method, c.seed): _execution(suite.config(c.method, c.seed, overrides)) for c in cells}
+    for cell in cells:
+        check_data_dir(cell.config)
+    stream.write(f"{sweep.name}: {len(suite.methods)} cells x {len(suite.seeds)} seeds = {len(cells)} runs -> {out}\n")
+    if dry_run:
+        for cell in cells:
+            stream.write(f"  {cell.method} seed {cell.seed}: {_planned(cell)} -> {cell.path}\n")
+        return {}
+    for cell in cells:
+        _inspect(cell, lambda line: stream.write(line + "\n"))
+    queue = [c for c in cells if c.state != "done"]
+    cores = cpu_cores()
+    workers = max(1, min(workers or default_workers([c.config for c in cells]), len(queue) or 1))
+    share = max(1, cores // workers)
+    reused = f"{len(cells) - len(queue)} done before, reused; " if len(queue) < len(cells) else ""
+    stream.write(
+        f"{reused}{len(queue)} to run, {workers} at a time ({share} core{'s' if share > 1 else ''} each)\n" if queue
+        else f"all {len(cells)} runs done before, reused\n"
+    )
+    _record(sweep, out, overrides)
+    board = _Board(cells, stream)
+    running: list[_Job] = []
+    failed: list[str] = []
+    try:
+        with interrupts():
+            while queue or running:
+                stop_point()
+                free = sorted(set(range(workers)) - {j.slot for j in running})
+                while queue and free:
+                    cell = queue.pop(0)
+                    running.append(_start(cell, where[cell.method, cell.seed], out, free.pop(0), share, cores))
+                for job in [j for j in running if j.process.poll() is not None]:
+                    running.remove(job)
+                    board.finished(job, failed)
+                board.show(running)
+                time.sleep(0.2)
+    except KeyboardInterrupt as exc:
+        _stop(running, getattr(exc, "signum", signal.SIGINT))
+        for job in running:
+            board.finished(job, failed, stopping=True)
+        exc.summary = board.interrupted_summary(cells)  # type: ignore[attr-defined]
+        raise
+    results = collect(sweep, suite, out, cells)
+    results["failed"] = failed
+    (out / "results.json").write_text(to_json(results, indent=2) + "\n")
+    (out / "results.md").write_text(format_table(sweep, results) + "\n")
+    return results
+
+
+def _planned(cell: Cell) -> str:
+    """What a sweep would do with ``cell`` (read only, for --dry-run)."""
+    from ..config import fingerprint
+    from .suite import run_fingerprint
+
+    found = run_fingerprint(cell.path)
+    if found is None:
+        return "to run"
+    if found != fingerprint(cell.config):
+        return "a run with other settings is there: set aside, then run anew"
+    summary = read_summary(cell.path)
+    if summary.get("status") == "completed":
+        return "done, reused"
+    return f"resumes after round {summary.get('checkpointed_rounds', 0)}"
+
+
+def _record(sweep: Sweep, out: Path, overrides: Sequence[str]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    record = {"sweep": asdict(sweep), "overrides": list(overrides), "cells": {n: [list(p) for p in ps] for n, ps in sweep.cells().items()}}
+    (out / SWEEP_RECORD).write_text(json.dumps(record, indent=2, default=str) + "\n")
+
+
+def _execution(requested: Config) -> dict[str, Any]:
+    """The executor and workers a run asked for (``auto`` is left for its process to
+    resolve on its share of the cores)."""
+    return {"executor": requested.executor, "workers": requested.workers}
+
+
+def _start(cell: Cell, execution: dict[str, Any], out: Path, slot: int, share: int, cores: int) -> _Job:
+    """A ``contrafl run`` process for ``cell`` on cores ``[slot * share, (slot + 1) * share)``,
+    in its own session (a terminal's Ctrl-C reaches the sweep, which stops its runs once)."""
+    logs = out / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    log = logs / f"{_slug(cell.method)}-seed{cell.seed}.log"
+    if cell.state == "resume":
+        where = [f"{k}={v}" for k, v in execution.items() if v is not None]
+        args = ["run", "--resume", str(cell.path), *where, "--quiet"]
+    else:
+        config = logs / f"{_slug(cell.method)}-seed{cell.seed}.yaml"
+        config.write_text(dataclasses.replace(cell.config, **execution).to_yaml())
+        args = ["run", str(config), "--out", str(cell.path), "--quiet"]
+    pinned = sorted({(slot * share + i) % cores for i in range(share)})
+    boot = (
+        "import os, sys\n"
+        f"if hasattr(os, 'sched_setaffinity'): os.sched_setaffinity(0, {pinned!r})\n"
+        "from contrafl.cli import main\n"
+        "sys.exit(main(sys.argv[1:]))"
+    )
+    with log.open("a") as f:
+        f.write(f"$ contrafl {' '.join(args)}  (cores {pinned})\n")
+        f.flush()
+        process = subprocess.Popen([sys.executable, "-c", boot, *args], stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+    return _Job(cell, process, log, time.perf_counter(), slot)
+
+
+def _stop(running: list[_Job], signum: int) -> None:
+    """Ask every running run to stop at its next safe point and wait for it; a second
+    Ctrl-C repeats the request (a run's second request stops it at once)."""
+    for job in running:
+        job.process.send_signal(signum)
+    while any(j.process.poll() is None for j in running):
+        try:
+            time.sleep(0.1)
+        except KeyboardInterrupt:
+            for job in running:
+                if job.process.poll() is None:
+                    job.process.send_signal(signal.SIGINT)
+
+
+def _rounds_in(path: Path) -> int:
+    """Rounds a run directory's metrics.jsonl holds (0 before its first round ends)."""
+    try:
+        with (path / "metrics.jsonl").open() as f:
+            return sum(1 for line in f if line.endswith("\n"))
+    except OSError:
+        return 0
+
+
+class _Board:
+    """The sweep's one progress display: a line per finished run, and the runs going on
+    with the whole sweep's rounds and ETA (a live line on a terminal, else every 30 s)."""
+
+    EVERY = 30.0  # seconds between status lines when not on a terminal (1 s on one)
+
+    def __init__(self, cells: list[Cell], stream: TextIO) -> None:
+        self.stream = stream
+        self.live = stream.isatty()
+        self.total = len(cells)
+        self.done = sum(c.state == "done" for c in cells)
+        self.rounds_total = sum(c.config.rounds for c in cells)
+        self.rounds_before = sum(c.config.rounds if c.state == "done" else c.rounds_done for c in cells)
+        self.rounds_finished = 0  # rounds of the runs finished by this call
+        self.start = time.perf_counter()
+        self.shown = self.start
+
+    def rounds_now(self, running: list[_Job]) -> int:
+        return self.rounds_finished + sum(max(0, _rounds_in(j.cell.path) - j.cell.rounds_done) for j in running)
+
+    def eta(self, running: list[_Job]) -> str:
+        rounds = self.rounds_now(running)
+        if not rounds:
+            return "ETA after the first round"
+        left = self.rounds_total - self.rounds_before - rounds
+        return f"ETA {clock_text((time.perf_counter() - self.start) / rounds * max(left, 0))}"
+
+    def show(self, running: list[_Job]) -> None:
+        now = time.perf_counter()
+        if not running or now - self.shown < (1.0 if self.live else self.EVERY):
+            return
+        self.shown = now
+        going = ", ".join(f"{j.cell.method} seed {j.cell.seed} {_rounds_in(j.cell.path)}/{j.cell.config.rounds}" for j in running)
+        line = (
+            f"sweep {self.done}/{self.total} runs done, rounds {self.rounds_before + self.rounds_now(running)}/"
+            f"{self.rounds_total}, {self.eta(running)}; running: {going}"
+        )
+        if self.live:
+            width = max(40, _columns() - 1)
+            self.stream.write("\r" + line[:width].ljust(width))
+        else:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+    def finished(self, job: _Job, failed: list[str], stopping: bool = False) -> None:
+        code = job.process.wait()
+        cell = job.cell
+        self.rounds_finished += max(0, _rounds_in(cell.path) - cell.rounds_done)
+        seconds = time.perf_counter() - job.start
+        head = f"{cell.method} seed {cell.seed}"
+        if code == 0:
+            self.done += 1
+            cell.state = "done"
+            _, rows, _ = read_run(cell.path)
+            metric = run_metric(rows)
+            value = next((r[metric.key] for r in reversed(rows) if metric and r.get(metric.key) is not None), None)
+            what = f"{metric.label} {value:.4f}" if value is not None else "no evaluation"
+            text = f"[{self.done}/{self.total}] {head}: {what} in {seconds:.0f}s"
+        elif stopping:
+            cell.rounds_done = read_summary(cell.path).get("checkpointed_rounds", 0)
+            cell.state = "resume" if cell.rounds_done else "new"
+            text = f"{head}: stopped after round {cell.rounds_done} (continues on the next call)"
+        else:
+            failed.append(head)
+            text = f"{head}: FAILED (exit status {code}): {_last_error(job.log)} (log: {job.log})"
+        self.stream.write(("\r" if self.live else "") + text.ljust(_columns() - 1 if self.live else 0) + "\n")
+        self.stream.flush()
+
+    def interrupted_summary(self, cells: list[Cell]) -> str:
+        stopped = sum(c.state == "resume" for c in cells)
+        left = sum(c.state == "new" for c in cells)
+        return f"{self.done} of {self.total} runs done, {stopped} stopped with a checkpoint, {left} not started"
+
+
+def _columns() -> int:
+    import shutil
+
+    return shutil.get_terminal_size((100, 24)).columns
+
+
+def _last_error(log: Path) -> str:
+    """The last line of a failed run's log that says what went wrong."""
+    try:
+        lines = [l.strip() for l in log.read_text().splitlines() if l.strip()]
+    except OSError:
+        return "no log"
+    errors = [l for l in lines if l.startswith("contrafl: ") or "Error" in l]
+    return (errors or lines or ["no output"])[-1]
+
+
+def collect(sweep: Sweep, suite: Suite, out: Path, cells: Sequence[Cell]) -> dict[str, Any]:
+    """Per cell: its settings, the completed runs with the current settings and, in
+    their metric (:func:`~contrafl.eval.report.run_metric`), the final value per seed
+    with mean and std, the best value and round per seed, the client std at the final
+    round (personalised runs), and the state of its other runs."""
+    from .suite import run_fingerprint
+    from ..config import fingerprint
+
+    per_cell: dict[str, Any] = {}
+    names = sweep.cells()
+    for name in suite.methods:
+        entry: dict[str, Any] = {"settings": {k: v for k, v in names[name]}, "seeds": [], "status": {}}
+        finals, bests, rounds, client_std = [], [], [], []
+        metric: Metric | None = None
+        for cell in (c for c in cells if c.method == name):
+            summary = read_summary(cell.path)
+            status = summary.get("status", "not started")
+            if status == "completed" and run_fingerprint(cell.path) != fingerprint(cell.config):
+                status = "other settings"
+            entry["status"][str(cell.seed)] = status
+            if status != "completed":
+                continue
+            _, rows, _ = read_run(cell.path)
+            metric = metric or run_metric(rows)
+            evaluated = [r for r in rows if metric and r.get(metric.key) is not None]
+            if not evaluated:
+                continue
+            best = max(evaluated, key=lambda r: r[metric.key])
+            entry["seeds"].append(cell.seed)
+            finals.append(evaluated[-1][metric.key])
+            bests.append(best[metric.key])
+            rounds.append(best["round"])
+            if metric.std:
+                client_std.append(evaluated[-1][metric.std])
+        if metric is not None and finals:
+            entry["metric"] = metric.key
+            entry["final"], entry["best"], entry["best_round"] = finals, bests, rounds
+            entry["final_mean"], entry["final_std"] = mean_std(finals)
+            entry["best_mean"], entry["best_std"] = mean_std(bests)
+            if client_std:
+                entry["client_std_mean"] = mean_std(client_std)[0]
+        per_cell[name] = entry
+    return {"sweep": sweep.name, "axes": list(sweep.grid), "cells": per_cell}
+
+
+def format_table(sweep: Sweep, results: Mapping[str, Any], markdown: bool = True) -> str:
+    """A row per cell: its value of every grid axis, the metric, final and best value
+    (mean ± std over seeds, in %), the client std of personalised runs and the runs'
+    states."""
+    axes = results["axes"]
+    labels = {m.key: m.label for m in METRICS}
+    header = [*axes, "metric", "final (%)", "best (%)", "best rounds", "client std (%)", "seeds", "runs"]
+    table = [header]
+    for name, e in results["cells"].items():
+        values = [_text(e["settings"][a]) if a in e["settings"] else "-" for a in axes]
+        states = _states(e["status"])
+        if "final_mean" in e:
+            cells = [
+                labels.get(e["metric"], e["metric"]),
+                f"{100 * e['final_mean']:.2f} ± {100 * e['final_std']:.2f}",
+                f"{100 * e['best_mean']:.2f} ± {100 * e['best_std']:.2f}",
+                ", ".join(map(str, e["best_round"])),
+                f"{100 * e['client_std_mean']:.2f}" if "client_std_mean" in e else "",
+                ", ".join(map(str, e["seeds"])),
+            ]
+        else:
+            cells = ["-", "-", "-", "", "", "-"]
+        table.append([*values, *cells, states])
+    return _format(table, markdown)
+
+
+def _states(status: Mapping[str, str]) -> str:
+    """``"2 completed"`` or ``"1 completed, 1 failed"``."""
+    counts: dict[str, int] = {}
+    for s in status.values():
+        counts[s] = counts.get(s, 0) + 1
+    return ", ".join(f"{n} {s}" for s, n in counts.items())
+
+
+def sweep_report(out: Path, markdown: bool = True) -> str:
+    """The table of the sweep in directory ``out``, recomputed from its run directories
+    for the sweep and overrides recorded there."""
+    record_path = Path(out) / SWEEP_RECORD
+    try:
+        record = json.loads(record_path.read_text())
+        sweep = Sweep(**record["sweep"])
+    except (OSError, ValueError, TypeError, KeyError):
+        raise ConfigError(f"{record_path} is missing or unreadable; run the sweep with `contrafl sweep` first") from None
+    suite = sweep.suite()
+    configs = resolved_configs(suite, record["overrides"])
+    cells = [Cell(m, s, configs[m, s], run_path(Path(out), m, s)) for m in suite.methods for s in suite.seeds]
+    return format_table(sweep, collect(sweep, suite, Path(out), cells), markdown)
+
+
+def interrupted_line(exc: KeyboardInterrupt) -> tuple[str, int]:
+    """The one line printed when a sweep is stopped, and the exit status."""
+    summary = getattr(exc, "summary", "")
+    return (
+        f"contrafl: sweep interrupted by {signal_name(exc)}{': ' + summary if summary else ''}; "
+        "run the same command again to continue (finished runs are reused, stopped ones resume)",
+        exit_code(exc),
+    )
