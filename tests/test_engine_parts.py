@@ -99,6 +99,23 @@ def test_client_store_checkpoints_survive_later_writes_and_restore(tmp_path):
     assert d.exists()  # kept for the run directory's checkpoint
 
 
+def test_client_store_commits_remove_superseded_files_only(tmp_path):
+    """Round after round with spills, the directory holds exactly the last checkpoint's
+    files and the states written since (a commit does not list the directory)."""
+    one = 4 * 1000
+    d = tmp_path / "clients"
+    store = ClientStore(memory_bytes=1.5 * one, directory=d, keep=True)
+    for round in range(4):
+        for cid in range(5):
+            if (cid + round) % 2:
+                store.put(cid, {"w": torch.full((1000,), 10.0 * round + cid)})
+        manifest = store.checkpoint()
+        store.commit(manifest)
+        assert {p.name for p in d.iterdir()} == set(manifest["files"].values())
+    expected = {cid: 10.0 * (3 if (cid + 3) % 2 else 2) + cid for cid in range(5)}
+    assert {cid: store.get(cid)["w"][0].item() for cid in range(5)} == expected
+
+
 def test_state_bytes_counts_shared_storage_once():
     t = torch.zeros(10)
     assert state_bytes({"a": t, "b": [t, t[:5]], "c": 3}) == 40

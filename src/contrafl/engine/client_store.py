@@ -116,9 +116,13 @@ class ClientStore:
         return {"files": dict(self._files), "serial": self._serial}
 
     def commit(self, manifest: dict[str, Any]) -> None:
-        """``manifest`` is now the checkpoint on disk: remove the files it does not name."""
-        self._committed = set(manifest["files"].values())
-        self._remove_unused()
+        """``manifest`` is now the checkpoint on disk: remove the files of the previous
+        checkpoint that it does not name (the states written since; without listing the
+        directory, whose size grows with the clients that have a state)."""
+        committed = set(manifest["files"].values())
+        for name in self._committed - committed - set(self._files.values()):
+            (self.directory / name).unlink(missing_ok=True)
+        self._committed = committed
 
     def restore(self, manifest: dict[str, Any]) -> None:
         """Go back to the states of a committed checkpoint (forgetting memory)."""
@@ -136,6 +140,8 @@ class ClientStore:
         self._remove_unused()
 
     def _remove_unused(self) -> None:
+        """Remove every file in the directory that neither the checkpoint nor the current
+        states name (those of a crash: states and temporary files written after it)."""
         needed = self._committed | set(self._files.values())
         if self.directory.is_dir():
             for path in [*self.directory.glob("client-*.pt"), *self.directory.glob(".*.tmp")]:
