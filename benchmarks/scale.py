@@ -6,7 +6,9 @@ models), one run in a fresh process:
 
 - every client holds the same number of samples of a fixed synthetic task (features of a
   random linear teacher), so the 10 clients sampled in a round cost the same whatever N;
-- ``sample_fraction = 10 / N``; the global model is evaluated on a test set of fixed size
+- ``sample_fraction = 10 / N``, and the schedule replaced by the smallest run's, so that
+  every N trains the same clients (ids below the smallest N) in the same rounds, with
+  the same states to create, spill and load; the global model is evaluated on a test set of fixed size
   in the last round only, and the clients' own models are not (``eval_personal=false``:
   evaluating every client is the one cost that must grow with N);
 - a checkpoint after every round in a run directory, client states beyond
@@ -73,6 +75,7 @@ def worker(payload: dict) -> dict:
 
     from contrafl.config import load_config
     from contrafl.engine.run_dir import RunDir
+    from contrafl.engine.sampling import sample_schedule
     from contrafl.engine.setup import prepare
     from contrafl.engine.simulation import Simulation
 
@@ -89,6 +92,8 @@ def worker(payload: dict) -> dict:
     setup = prepare(load_config(None, overrides))
     with tempfile.TemporaryDirectory() as folder:
         sim = Simulation(setup, RunDir(Path(folder) / "run"), None)
+        # the clients of the smallest run: every N trains the same clients in the same rounds
+        sim.schedule = sample_schedule(payload["same_as"], SAMPLED / payload["same_as"], payload["rounds"], 0)
         setup_s = time.perf_counter() - start
         sim.run()
         timing = [json.loads(line)["seconds"] for line in (Path(folder) / "run" / "timing.jsonl").read_text().splitlines()]
@@ -107,7 +112,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--clients", type=int, nargs="+", default=[100, 1000, 10000])
     parser.add_argument("--algorithms", nargs="+", default=["scaffold", "ditto", "fedcrl", "fedala"])
-    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--budget-gb", type=float, default=0.002, help="client_memory_gb (small: states spill)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -122,7 +127,8 @@ def main() -> None:
     for algorithm in args.algorithms:
         base = None
         for n in args.clients:
-            r = run_isolated(Path(__file__), {"clients": n, "algorithm": algorithm, "rounds": args.rounds, "budget_gb": args.budget_gb})
+            payload = {"clients": n, "same_as": args.clients[0], "algorithm": algorithm, "rounds": args.rounds, "budget_gb": args.budget_gb}
+            r = run_isolated(Path(__file__), payload)
             base = base or r["round_s"]
             print(f"{algorithm:<10} {n:>8} {r['setup_s']:>8.2f} {r['round_s']:>8.3f} {r['round_s'] / base:>8.2f} "
                   f"{r['peak_mb']:>9.0f} {r['data_mb']:>9.1f} {r['spilled']:>8}", flush=True)
