@@ -31,7 +31,7 @@ def run(path, calibrate: bool, settings: list[str]) -> Estimate | None:
     "settings",
     [
         ["executor=sequential", "algorithm=moon", "sample_fraction=0.67", "drop_last=false", "eval_personal=true"],
-        ["executor=vectorized", "algorithm=moon"],
+        pytest.param(["executor=vectorized", "algorithm=moon"], marks=pytest.mark.slow),
         ["executor=parallel", "workers=2", "algorithm=fedprox"],
     ],
     ids=["sequential", "vectorized", "parallel"],
@@ -53,7 +53,10 @@ def test_no_estimate_for_a_run_that_has_done_rounds():
     sim.store.close()
 
 
-def test_run_prints_the_estimate_and_records_it(tmp_path, capsys):
+def test_run_prints_the_estimate_and_records_it(tmp_path, capsys, monkeypatch):
+    from contrafl.engine import estimate as module
+
+    monkeypatch.setattr(module, "SHORT_RUN_S", 0.0)
     assert main(["run", "--out", str(tmp_path / "run"), *SMALL, "executor=sequential"]) == 0
     lines = capsys.readouterr().out.splitlines()
     line = next(x for x in lines if x.startswith("estimated time: ~"))
@@ -61,6 +64,14 @@ def test_run_prints_the_estimate_and_records_it(tmp_path, capsys):
     assert lines.index(line) < next(i for i, x in enumerate(lines) if x.startswith("round 1/2"))
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["estimated_time_s"] > 0
+
+
+def test_a_short_run_prints_no_estimate(tmp_path, capsys):
+    """One timed step puts this run far below SHORT_RUN_S: no calibration, no line."""
+    assert main(["run", "--out", str(tmp_path / "run"), *SMALL, "executor=sequential"]) == 0
+    out = capsys.readouterr().out
+    assert "estimated time" not in out and "round 1/2" in out
+    assert "estimated_time_s" not in json.loads((tmp_path / "run" / "summary.json").read_text())
 
 
 def test_estimate_line():

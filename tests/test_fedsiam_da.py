@@ -252,6 +252,7 @@ def test_sequential_and_vectorized_executors_agree(update):
     assert max_difference(prev_round.server.model, seq.server.model) > 1e-4
 
 
+@pytest.mark.slow
 def test_both_update_modes_train_and_differ():
     init = prepare(load_config(None, [*BASE, "algorithm=fedsiam_da"])).model.state_dict()
     models = {}

@@ -58,6 +58,7 @@ def test_global_and_local_panels_of_a_trained_run(avg_run, capsys):
     assert "global model silhouette" in out and "client 2, local model" in out and "tsne.png" in out
 
 
+@pytest.mark.slow
 def test_same_seed_same_coordinates(avg_run, tmp_path):
     """The global panel alone (--no-local), written elsewhere (--out), twice with one seed:
     the same subset and coordinates, also those of the first test's global panel; another

@@ -77,6 +77,7 @@ def test_per_client_arrays_and_the_best_round_of_personalised_runs(tmp_path):
                                 f"{final['client_loss'][cid]:.4f}", f"{best['client_acc'][cid]:.4f}"]
 
 
+@pytest.mark.slow
 def test_loss_parts_are_logged_per_round(tmp_path):
     """Each scalar statistic of the local loss, summed over the round's steps and divided
     by them as the total is: MOON's CE and contrastive term add up to its loss."""

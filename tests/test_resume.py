@@ -158,6 +158,7 @@ def test_killed_while_writing_a_checkpoint_resumes_exactly(tmp_path, algorithm):
     assert (run / "metrics.jsonl").read_bytes() == clean
 
 
+@pytest.mark.slow
 def test_resume_with_checkpoints_every_few_rounds_and_spilled_client_states(tmp_path):
     """Client states spilled to disk (a tiny memory budget) and a checkpoint every 3
     rounds: a kill in round 5 resumes from round 3."""

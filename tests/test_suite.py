@@ -268,6 +268,7 @@ def test_run_stopped_before_its_first_checkpoint_restarts_cleanly(tmp_path, monk
     assert (run / "metrics.jsonl").read_bytes() == clean
 
 
+@pytest.mark.slow
 def test_settings_and_the_best_round_table(tmp_path):
     """A suite with settings runs every method in every setting; metric best reports the
     best round's client accuracy (mean ± std over seeds) and the client std then."""
@@ -300,6 +301,7 @@ def test_settings_and_the_best_round_table(tmp_path):
     assert table[2] == "| FedAvg | - | - | - | - |"
 
 
+@pytest.mark.slow
 def test_representation_metric_runs_probes_and_tables_them(tmp_path):
     """metric: representation reports the last round's kNN accuracy and each probe's
     accuracy (run once per finished run and kept in its representation/ folder)."""

@@ -19,7 +19,7 @@ from contrafl.eval.sweep import Sweep, load_sweep, sweep_report
 
 SPEC = """\
 name: digits sweep
-base: {dataset: digits, rounds: 3, num_clients: 4}
+base: {dataset: digits, rounds: 3, num_clients: 4, local_epochs: 1}
 grid:
   algorithm: [fedavg, moon]
   partition.beta: [0.1, 0.5]
@@ -179,7 +179,7 @@ def test_sweep_stopped_by_sigint_continues_with_the_missing_runs_only(tmp_path):
 @pytest.mark.slow
 def test_parallel_workers_give_the_results_of_one_worker(tmp_path):
     spec = tmp_path / "s.yaml"
-    spec.write_text("base: {dataset: digits, rounds: 2, num_clients: 3}\ngrid: {algorithm: [fedavg, fedprox]}\n")
+    spec.write_text("base: {dataset: digits, rounds: 2, num_clients: 3, local_epochs: 1}\ngrid: {algorithm: [fedavg, fedprox]}\n")
     assert main(["sweep", str(spec), "--out", str(tmp_path / "two"), "--workers", "2"]) == 0
     assert main(["sweep", str(spec), "--out", str(tmp_path / "one"), "--workers", "1"]) == 0
     for cell in ("algorithm-fedavg", "algorithm-fedprox"):

@@ -63,7 +63,7 @@ def cmd_run(ns: argparse.Namespace) -> int:
     cfg = load_config(config_path, overrides)  # before the slow imports: quick errors
     require(cfg.tracking)
 
-    from .engine.estimate import estimate
+    from .engine import estimate
     from .engine.progress import Progress
     from .engine.run_dir import RunDir, default_run_dir
     from .engine.setup import prepare
@@ -91,7 +91,7 @@ def cmd_run(ns: argparse.Namespace) -> int:
     _warn(setup.warnings)
     sim = Simulation(setup, run_dir, None if ns.quiet else Progress(cfg.rounds, sys.stdout))
     if not ns.quiet:
-        planned = estimate(sim)
+        planned = estimate.estimate(sim, shortest=estimate.SHORT_RUN_S)
         if planned is not None:
             print(planned.line(), flush=True)
             sim.estimated_time_s = round(planned.seconds, 1)

@@ -48,6 +48,7 @@ if TYPE_CHECKING:
 CALIBRATION_STEPS = 5  # the fewest steps timed
 MEASURE_SECONDS = 0.3  # of timed training per measurement (at most MAX_STEPS steps): well above the jitter of a busy machine
 MAX_STEPS = 50
+SHORT_RUN_S = 30.0  # contrafl run prints no estimate for a run that one timed step puts below this
 REPEATS = 2  # timings of the same steps, the least kept
 T = TypeVar("T")
 
@@ -178,19 +179,21 @@ def steps_of(job: Job) -> int:
     return sum(p.steps for p in job.plans)
 
 
-def estimate(sim: Simulation, budget: int = CALIBRATION_STEPS) -> Estimate | None:
+def estimate(sim: Simulation, budget: int = CALIBRATION_STEPS, shortest: float = 0.0) -> Estimate | None:
     """The time of the new run ``sim``, calibrated on ``budget`` local steps (more for
     the parallel executor) of clients of its second round; None for a run that has
     done rounds, whose clients train elsewhere (a Flower grid), or whose calibration
-    round has no client that takes a step. Call it before :meth:`Simulation.run`: the
-    run computes what it computes without it."""
+    round has no client that takes a step, and for a run that its first timed step (one
+    client's, a warm-up included: an upper bound) puts below ``shortest`` seconds, which
+    needs no plan. Call it before :meth:`Simulation.run`: the run computes what it
+    computes without it."""
     if sim.transport is not None or sim.rounds_done:
         return None
     cpu_state = torch.get_rng_state()
     cuda_state = torch.cuda.get_rng_state(sim.device) if sim.device.type == "cuda" else None
     threads = torch.get_num_threads()
     try:
-        return _estimate(Calibration(sim, budget))
+        return _estimate(Calibration(sim, budget), shortest)
     finally:
         torch.set_num_threads(threads)
         torch.set_rng_state(cpu_state)
@@ -198,11 +201,15 @@ def estimate(sim: Simulation, budget: int = CALIBRATION_STEPS) -> Estimate | Non
             torch.cuda.set_rng_state(cuda_state, sim.device)
 
 
-def _estimate(cal: Calibration) -> Estimate | None:
+def _estimate(cal: Calibration, shortest: float) -> Estimate | None:
     sim = cal.sim
     if not cal.cids or not steps_of(cal.job(cal.cids[0], 1)):  # e.g. Orchestra's first round
         return None
     per_round = [[sum(client_steps(sim, c, sim.algorithm.phases(t))) for c in sim.schedule[t]] for t in range(sim.cfg.rounds)]
+    if shortest > 0:
+        first = cal.seconds(SequentialExecutor(cal.executor.workload).train, [cal.job(cal.cids[0], 1)])
+        if first * sum(map(sum, per_round)) < shortest:
+            return None
     if isinstance(cal.executor, VectorizedExecutor):
         train_seconds, measured = _vectorized(cal, cal.executor, per_round)
     elif isinstance(cal.executor, ParallelExecutor) and min(cal.executor.workers, len(cal.cids)) > 1:
