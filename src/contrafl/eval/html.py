@@ -38,7 +38,7 @@ from .. import __version__
 from ..config import fingerprint, flat_settings
 from ..errors import ContraflError
 from .metrics import mean_std
-from .report import METRICS, Metric, find_runs, read_run, run_metric, worst_fraction
+from .report import METRICS, Metric, count_states, find_runs, read_run, run_metric, worst_fraction
 
 PROBE_FILES = ("knn", "linear", "finetune-1%", "finetune-10%", "finetune")
 """Files of ``representation/`` whose accuracy the SSL table shows (those present)."""
@@ -76,6 +76,11 @@ class Group:
     @property
     def metric(self) -> Metric | None:
         return next((r.metric for r in self.completed), None)
+
+    @property
+    def states(self) -> str:
+        """How many of the runs are in each state (:func:`~contrafl.eval.report.count_states`)."""
+        return count_states(r.status for r in self.runs)
 
 
 def _records(paths: Sequence[Path]) -> dict[Path, tuple[str, Any]]:
@@ -159,13 +164,6 @@ def _probe(run: Run, name: str) -> float | None:
         return None
 
 
-def _states(group: Group) -> str:
-    counts: dict[str, int] = {}
-    for run in group.runs:
-        counts[run.status] = counts.get(run.status, 0) + 1
-    return ", ".join(f"{n} {s}" for s, n in counts.items())
-
-
 def _paper_cells(group: Group, ours: float | None) -> list[str]:
     paper = _paper_value(group.paper)
     if paper is None:
@@ -189,7 +187,7 @@ def results_tables(groups: Sequence[Group]) -> list[tuple[str, list[list[str]]]]
             bests = [max(x["test_acc"] for x in _evaluated(r, "test_acc")) for r in g.completed]
             seeds = ", ".join(str(r.config.get("seed")) for r in g.completed)
             paper = _paper_cells(g, mean_std(finals)[0]) if with_paper else []
-            rows.append([g.label, _pct(finals), _pct(bests), seeds, *paper, _states(g)])
+            rows.append([g.label, _pct(finals), _pct(bests), seeds, *paper, g.states])
         tables.append(("Global model: test accuracy, mean ± std over seeds", rows))
     if "personal_acc" in by_family:
         rows = [["configuration", "final client acc (%)", "client std (%)", "best client acc (%)", "client std at best (%)",
@@ -207,7 +205,7 @@ def results_tables(groups: Sequence[Group]) -> list[tuple[str, list[list[str]]]]
                 ", ".join(str(b["round"]) for b in bests),
                 ", ".join(str(r.config.get("seed")) for r in g.completed),
                 *paper,
-                _states(g),
+                g.states,
             ])
         tables.append(("Personalised models: sample-weighted client accuracy (PFLlib's metric: the best round), "
                        "mean ± std over seeds; client std: the std over clients", rows))
@@ -224,10 +222,10 @@ def results_tables(groups: Sequence[Group]) -> list[tuple[str, list[list[str]]]]
                 cells.append(_pct(values) if values else "-")
             paper = _paper_cells(g, mean_std(finals)[0]) if with_paper else []
             seeds = ", ".join(str(r.config.get("seed")) for r in g.completed)
-            rows.append([g.label, _pct(finals), _pct(bests), *cells, seeds, *paper, _states(g)])
+            rows.append([g.label, _pct(finals), _pct(bests), *cells, seeds, *paper, g.states])
         tables.append(("Self-supervised encoders: kNN accuracy and probes (contrafl eval-repr), mean ± std over seeds", rows))
     if "none" in by_family:
-        rows = [["configuration", "runs"]] + [[g.label, _states(g)] for g in by_family["none"]]
+        rows = [["configuration", "runs"]] + [[g.label, g.states] for g in by_family["none"]]
         tables.append(("Without a completed, evaluated run", rows))
     return tables
 

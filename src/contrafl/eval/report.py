@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -123,6 +123,15 @@ def metric_cells(rows: Sequence[dict], metric: Metric | None) -> tuple[str, str]
 
     best = max(evaluated, key=lambda r: r[metric.key])  # the first of equal values
     return cell(evaluated[-1]), f"{cell(best)} (round {best['round']})"
+
+
+def count_states(statuses: Iterable[str]) -> str:
+    """``"2 completed"`` or ``"1 completed, 1 failed"``: how many runs are in each state,
+    in the order the states first occur."""
+    counts: dict[str, int] = {}
+    for status in statuses:
+        counts[status] = counts.get(status, 0) + 1
+    return ", ".join(f"{n} {s}" for s, n in counts.items())
 
 
 def worst_fraction(accs: Sequence[float], fraction: float = 0.1) -> float:

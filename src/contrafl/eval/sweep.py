@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -47,7 +48,7 @@ from ..engine.run_dir import read_summary, to_json
 from ..engine.signals import exit_code, interrupts, signal_name, stop_point
 from ..errors import ConfigError
 from .metrics import mean_std
-from .report import METRICS, Metric, _format, read_run, run_metric
+from .report import METRICS, Metric, _format, count_states, read_run, run_metric
 from .suite import Cell, Suite, _inspect, _paths_from, _slug, resolved_configs, run_path
 
 SWEEP_RECORD = "sweep.json"  # the sweep, its overrides and cells, in its output directory
@@ -416,8 +417,6 @@ class _Board:
 
 
 def _columns() -> int:
-    import shutil
-
     return shutil.get_terminal_size((100, 24)).columns
 
 
@@ -486,7 +485,7 @@ def format_table(sweep: Sweep, results: Mapping[str, Any], markdown: bool = True
     table = [header]
     for name, e in results["cells"].items():
         values = [_text(e["settings"][a]) if a in e["settings"] else "-" for a in axes]
-        states = _states(e["status"])
+        states = count_states(e["status"].values())
         if "final_mean" in e:
             cells = [
                 labels.get(e["metric"], e["metric"]),
@@ -500,14 +499,6 @@ def format_table(sweep: Sweep, results: Mapping[str, Any], markdown: bool = True
             cells = ["-", "-", "-", "", "", "-"]
         table.append([*values, *cells, states])
     return _format(table, markdown)
-
-
-def _states(status: Mapping[str, str]) -> str:
-    """``"2 completed"`` or ``"1 completed, 1 failed"``."""
-    counts: dict[str, int] = {}
-    for s in status.values():
-        counts[s] = counts.get(s, 0) + 1
-    return ", ".join(f"{n} {s}" for s, n in counts.items())
 
 
 def sweep_report(out: Path, markdown: bool = True) -> str:
