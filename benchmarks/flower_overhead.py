@@ -11,14 +11,17 @@ images, its simple CNN, Dirichlet(0.5)) goes through, in this order:
   machine, all sharing its cores.
 
 Each prints the seconds of every round from the run's ``timing.jsonl``: the first round
-of a deployment includes the partition queries and the app's installation, so the
-steady state is the median of the other rounds. The deployment's overhead per round is
-what Flower adds: the SuperNodes poll every 3 s (hard-coded in flwr 1.41), and every
-message starts a fresh ClientApp process that imports torch and reads the data and the
-client's state. ``contrafl deploy`` gives each client's torch ``cores // clients``
+of a deployment includes the partition queries, the app's installation and the start of
+the SuperNodes' workers, so the steady state is the median of the other rounds. The
+deployment's overhead per round is what Flower adds: the messages' way through the
+SuperLink and the SuperNodes (``contrafl-supernode``: polls of at most 0.2 s, the
+ClientApps in one process per SuperNode, :mod:`contrafl.flower.supernode`), and the
+ClientApp's hand-over to the SuperNode's worker, which keeps torch, the data and the
+model loaded. ``contrafl deploy`` gives each client's torch ``cores // clients``
 threads; the deployment's metrics equal, bit for bit, those of the simulator mode that
 trains each client with as many threads (on 2 cores and 3 clients: one thread, the
 parallel executor of ``auto``); the script says which ones are identical.
+``--supernode-poll 3`` gives the SuperNodes flwr's own 3 s wait.
 
     python benchmarks/flower_overhead.py --data-dir ../shared/data/cifar-10-batches-py
 """
@@ -48,6 +51,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--local-epochs", type=int, default=1)
     ap.add_argument("--out", default="runs/bench-flower", help="folder for the three run directories")
+    ap.add_argument("--supernode-poll", type=float, default=0.2, help="contrafl deploy --supernode-poll (3: flwr's wait)")
     args = ap.parse_args()
 
     from contrafl.cli import main as contrafl
@@ -65,7 +69,7 @@ def main() -> None:
     for name, folder, command in [
         ("simulator, sequential", "sequential", ["run", "--quiet", "executor=sequential"]),
         ("simulator, auto", "auto", ["run", "--quiet"]),
-        ("Flower deployment", "flower", ["deploy"]),
+        ("Flower deployment", "flower", ["deploy", "--supernode-poll", str(args.supernode_poll)]),
     ]:
         began = time.perf_counter()
         assert contrafl([command[0], "--out", str(out / folder), *command[1:], *settings]) == 0

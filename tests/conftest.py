@@ -27,6 +27,20 @@ def run_sim():
     return simulate
 
 
+@pytest.fixture
+def worker_dir(tmp_path, monkeypatch):
+    """The folder of the SuperNode workers that ClientApps in this test start
+    (``CONTRAFL_WORKER_DIR``); every worker still listening there is stopped after the
+    test."""
+    folder = tmp_path / "workers"
+    monkeypatch.setenv("CONTRAFL_WORKER_DIR", str(folder))
+    yield folder
+    from contrafl.flower import worker
+
+    for sock in folder.glob("*.sock"):
+        worker.stop(sock)
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """One intra-op thread for a test module of tiny models (``pytestmark =

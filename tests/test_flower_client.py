@@ -41,22 +41,31 @@ CLIENTS = 3
 class FreshClients:
     """A transport whose every message reaches a new FlowerClient, with the tensors
     copied (as Flower's serialisation does); ``crash_in``: the round after whose replies
-    the server process dies (KeyboardInterrupt)."""
+    the server process dies (KeyboardInterrupt); ``reuse``: one FlowerClient per client
+    answers all its messages instead (as a SuperNode's worker does)."""
 
-    def __init__(self, run_dir: Path, sim: Simulation, crash_in: int | None = None) -> None:
-        self.run_dir, self.sim, self.crash_in = run_dir, sim, crash_in
+    def __init__(self, run_dir: Path, sim: Simulation, crash_in: int | None = None, reuse: bool = False) -> None:
+        self.run_dir, self.sim, self.crash_in, self.reuse = run_dir, sim, crash_in, reuse
+        self.clients: dict[int, FlowerClient] = {}
+
+    def client(self, cid: int) -> FlowerClient:
+        if not self.reuse:
+            return FlowerClient(self.run_dir, cid)
+        if cid not in self.clients:
+            self.clients[cid] = FlowerClient(self.run_dir, cid)
+        return self.clients[cid]
 
     def train(self, t, cids, message_for, phases):
         for cid in cids:
             message = pytree.tree_map_only(torch.Tensor, torch.clone, message_for(cid))
-            tree = FlowerClient(self.run_dir, cid).train(t, message, self.sim.checkpointed)
+            tree = self.client(cid).train(t, message, self.sim.checkpointed)
             yield ClientOutcome(cid, Reply(cid, tree["num_samples"], tree["payload"]), tree["loss"], tree["steps"], parts=tree["parts"])
         if t == self.crash_in:
             raise KeyboardInterrupt
 
     def evaluate(self, t, cids, message_for):
         for cid in reversed(cids):  # any order: the server sums in client order
-            yield cid, FlowerClient(self.run_dir, cid).evaluate(t, message_for(cid))
+            yield cid, self.client(cid).evaluate(t, message_for(cid))
 
 
 def settings(algorithm: str, *extra: str) -> list[str]:
@@ -76,10 +85,10 @@ def simulator(tmp_path: Path, cfg) -> list[dict]:
     return metrics(path)
 
 
-def flower_run(path: Path, cfg, crash_in: int | None = None) -> Simulation:
+def flower_run(path: Path, cfg, reuse: bool = False) -> Simulation:
     prepare_run(cfg, path)
     sim = resume(prepare(load_config(path / "config.yaml")), RunDir(path, resume=True))
-    sim.transport = FreshClients(path, sim, crash_in)
+    sim.transport = FreshClients(path, sim, reuse=reuse)
     sim.run()
     return sim
 
@@ -115,7 +124,9 @@ TINY = {  # what an algorithm needs to run on a tiny federation
 def test_every_algorithm_runs_through_fresh_client_processes(tmp_path, algorithm):
     """Every algorithm of `contrafl list`, 2 rounds on 3 clients of a tiny CIFAR-10:
     the clients' own rows, their state files and evaluate messages give the simulator's
-    metrics bit for bit."""
+    metrics bit for bit, through a new client per message (a ClientApp process each) and
+    through one client that answers all the messages of its partition (a SuperNode's
+    worker), which keeps nothing from one message to the next but what its files hold."""
     cls = ALGORITHMS.get(algorithm)
     extra = TINY.get(algorithm, [*TINY_SSL, "algorithm.predictor_hidden=16"] if not cls.supervised else [])
     overrides = ["rounds=2", "batch_size=8", *tiny_cifar(tmp_path, rows=48, test_rows=12), *extra]
@@ -125,24 +136,52 @@ def test_every_algorithm_runs_through_fresh_client_processes(tmp_path, algorithm
     expected = simulator(tmp_path, cfg)
     flower_run(tmp_path / "flower", cfg)
     assert metrics(tmp_path / "flower") == expected
+    flower_run(tmp_path / "worker", cfg, reuse=True)
+    assert metrics(tmp_path / "worker") == expected
 
 
-def test_a_server_resuming_an_older_checkpoint_finds_the_clients_states_of_that_round(tmp_path):
+def crash_and_resume(path: Path, cfg, crash_in: int, reuse: bool, rounds_done: int, states: list[str] | None = None) -> None:
+    """The run of ``cfg`` in ``path`` with its server dying after round ``crash_in``
+    (from 0), then resumed (from ``rounds_done``, asserted) to its end with the same
+    clients; ``states``: client 0's state files at the crash (asserted)."""
+    prepare_run(cfg, path)
+    sim = resume(prepare(load_config(path / "config.yaml")), RunDir(path, resume=True))
+    sim.transport = transport = FreshClients(path, sim, crash_in=crash_in, reuse=reuse)
+    with pytest.raises(KeyboardInterrupt):
+        sim.run()
+    assert len(metrics(path)) == crash_in + 1
+    if states is not None:
+        assert sorted(p.name for p in (path / "flower-clients" / "client-0").iterdir()) == states
+    sim = resume(prepare(load_config(path / "config.yaml")), RunDir(path, resume=True))
+    assert sim.rounds_done == rounds_done
+    transport.sim, transport.crash_in = sim, None
+    sim.transport = transport
+    sim.run()
+
+
+@pytest.mark.parametrize("reuse", [False, True], ids=["fresh clients", "workers"])
+def test_a_server_resuming_an_older_checkpoint_finds_the_clients_states_of_that_round(tmp_path, reuse):
     """The server dies in round 4 after its clients trained (their states are of round 4)
     while its checkpoint is of round 2: the resumed run trains rounds 3 and 4 again from
-    the clients' states of round 2 and ends with the uninterrupted run's metrics."""
+    the clients' states of round 2 and ends with the uninterrupted run's metrics, also
+    when the clients that answer are those that trained round 4 (SuperNodes' workers
+    that outlived the server)."""
     cfg = load_config(None, settings("moon", "checkpoint_every=2"))
     expected = simulator(tmp_path, cfg)
     path = tmp_path / "flower"
-    with pytest.raises(KeyboardInterrupt):
-        flower_run(path, cfg, crash_in=3)
-    assert len(metrics(path)) == 3
-    assert sorted(p.name for p in (path / "flower-clients" / "client-0").iterdir()) == ["round-2.pt", "round-4.pt"]
-    sim = resume(prepare(load_config(path / "config.yaml")), RunDir(path, resume=True))
-    assert sim.rounds_done == 2
-    sim.transport = FreshClients(path, sim)
-    sim.run()
+    crash_and_resume(path, cfg, crash_in=3, reuse=reuse, rounds_done=2, states=["round-2.pt", "round-4.pt"])
     assert metrics(path) == expected
+
+
+def test_workers_that_outlive_a_server_without_checkpoint_start_again_from_nothing(tmp_path):
+    """The server dies in round 2, before its first checkpoint: the run starts again at
+    round 1, and the clients that trained rounds 1 and 2 must train round 1 again from
+    their initial state (SCAFFOLD's control variate: zero), not from the state they keep
+    in memory."""
+    cfg = load_config(None, settings("scaffold", "checkpoint_every=3"))
+    expected = simulator(tmp_path, cfg)
+    crash_and_resume(tmp_path / "flower", cfg, crash_in=1, reuse=True, rounds_done=0)
+    assert metrics(tmp_path / "flower") == expected
 
 
 def test_a_client_keeps_only_its_own_rows(tmp_path):

@@ -32,7 +32,7 @@ from contrafl.flower.deploy import prepare_run  # noqa: E402
 from contrafl.flower.server import GridTransport  # noqa: E402
 from test_orchestra import tiny_cifar  # noqa: E402
 
-pytestmark = pytest.mark.usefixtures("one_thread", "task_identity")
+pytestmark = pytest.mark.usefixtures("one_thread", "task_identity", "worker_dir")
 
 SETTINGS = ["algorithm=fedavg", "num_clients=3", "rounds=2", "local_epochs=1", "executor=sequential", "eval_personal=false"]
 WAIT_NODES = 0.3

@@ -139,6 +139,10 @@ class ClientStore:
             )
         self._remove_unused()
 
+    def clear(self) -> None:
+        """Forget every state, as a new store (the directory's files go too)."""
+        self.restore({"files": {}, "serial": 0})
+
     def _remove_unused(self) -> None:
         """Remove every file in the directory that neither the checkpoint nor the current
         states name (those of a crash: states and temporary files written after it)."""

@@ -29,12 +29,17 @@ import re
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from ..config import load_config
 from ..data.partition import Partition
 from ..engine.checkpoint import load_safe, save_atomic
 from ..engine.setup import own_rows, prepare
 from ..engine.simulation import Scores, Simulation
 from ..errors import ContraflError
+from .codec import decode, encode
+from .node import NodeSettings
+from flwr.app import MessageType, RecordDict
 
 STATE_DIR = "flower-clients"
 STATE_FILE = re.compile(r"round-(\d+)\.pt")
@@ -57,6 +62,28 @@ class FlowerClient:
         self.sim = Simulation(own_rows(prepare(cfg, Partition.load(self.run_dir / "partition.json")), cid))
         self.state_dir = Path(state_dir or self.run_dir / STATE_DIR) / f"client-{cid}"
 
+    @classmethod
+    def of(cls, settings: NodeSettings) -> FlowerClient:
+        """The client of a SuperNode's settings (checked first), with torch's threads set
+        as its node config says."""
+        settings.check()
+        if settings.threads is not None:
+            torch.set_num_threads(settings.threads)
+        optional = (Path(p) if p is not None else None for p in (settings.state_dir, settings.data_dir))
+        return cls(Path(settings.run_dir), settings.partition_id, *optional)
+
+    def answer(self, kind: str, content: RecordDict) -> RecordDict:
+        """The reply content to a ``train`` or ``evaluate`` message's ``content`` (checked
+        to be meant for this client): :meth:`train`'s tree, or :meth:`evaluate`'s scores
+        (``{}`` when the client has no test data)."""
+        request = decode(content)
+        if int(request["client"]) != self.cid:
+            raise ContraflError(f"a message for client {request['client']} reached the SuperNode of partition {self.cid}")
+        t, message = int(request["round"]), request["message"]
+        if kind == MessageType.TRAIN:
+            return encode(self.train(t, message, int(request["checkpointed"])))
+        return encode(self.evaluate(t, message) or {})
+
     def states(self) -> dict[int, Path]:
         """``{round: file}`` of the client's saved states."""
         if not self.state_dir.is_dir():
@@ -66,7 +93,10 @@ class FlowerClient:
 
     def load_state(self, t: int) -> None:
         """Put the client's state at the start of round ``t + 1`` (its newest state of a
-        round up to ``t``, none when it has not trained yet) into the simulation's store."""
+        round up to ``t``, none when it has not trained yet) into the simulation's store,
+        which keeps nothing else: a client that serves several messages (a SuperNode's
+        worker) starts each from its files, as a new one would."""
+        self.sim.store.clear()
         states = self.states()
         before = [r for r in states if r <= t]
         if before:

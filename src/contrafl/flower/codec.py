@@ -49,16 +49,7 @@ from typing import Any
 import numpy as np
 import torch
 
-
-def require_flwr() -> None:
-    """Import ``flwr``, or raise an ImportError that says how to install it."""
-    try:
-        import flwr  # noqa: F401
-    except ImportError as exc:
-        raise ImportError(
-            'contrafl.flower needs Flower (flwr), which is not installed: pip install "contrafl[flower]"'
-        ) from exc
-
+from . import require_flwr
 
 require_flwr()
 from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict  # noqa: E402

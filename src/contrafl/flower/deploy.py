@@ -25,6 +25,7 @@ from ..engine.run_dir import RunDir, read_summary
 from ..engine.setup import cpu_cores, prepare
 from ..errors import ConfigError, one_line
 from .launch import FlowerLaunchError, LocalDeployment, RunResult, toml_document, toml_string
+from .supernode import POLL_S
 from .tls import alt_name, make_certificates
 
 APP_DIR = Path(str(resources.files("contrafl.flower") / "app"))
@@ -69,13 +70,15 @@ def check_hosts(server_hosts: Sequence[str], tls: bool) -> None:
 
 def deploy(
     cfg: Config, path: Path, *, prepared: bool = False, tls: bool = False, round_timeout: float = 600.0,
-    min_replies: int = 1, timeout: float | None = None, echo: TextIO | None = None,
+    min_replies: int = 1, supernode_poll: float = POLL_S, timeout: float | None = None, echo: TextIO | None = None,
 ) -> RunResult:
     """Run ``cfg`` on a SuperLink and ``num_clients`` SuperNodes on this machine, the
     Flower processes' homes and logs in ``path/flower``; the run directory is ``path``.
     ``prepared``: the run directory is already written (by :func:`prepare_run`, or by an
     earlier deployment: the run continues from its last checkpoint), ``cfg`` is its
     ``config.yaml``. The server's output (its progress) also goes to ``echo`` when given.
+    The SuperNodes are ``contrafl-supernode`` s that wait at most ``supernode_poll``
+    seconds between their pulls of messages (:mod:`contrafl.flower.supernode`).
 
     When the deployment ends before the run does (its SuperLink or ServerApp died, or
     the caller was interrupted), the processes are stopped and ``summary.json`` says so
@@ -84,7 +87,9 @@ def deploy(
     if not prepared:
         cfg = prepare_run(cfg, path)
     try:
-        with LocalDeployment(Path(path) / "flower", cfg.num_clients, tls=tls, node_configs=shared_cores(cfg.num_clients)) as deployment:
+        with LocalDeployment(
+            Path(path) / "flower", cfg.num_clients, tls=tls, node_configs=shared_cores(cfg.num_clients), supernode_poll=supernode_poll,
+        ) as deployment:
             return deployment.run(APP_DIR, run_config(path, round_timeout, min_replies), timeout=timeout, echo=echo)
     except (FlowerLaunchError, KeyboardInterrupt) as exc:
         record_stop(path, exc)

@@ -27,7 +27,8 @@ Node and run configurations are passed to flwr as TOML *files* (``--node-config 
 together with a single quote (nor an escaped ``\\"``). A file takes any TOML value.
 
 Latency: the SuperNode polls the SuperLink every 3 s when idle and ``Grid.send_and_receive``
-sleeps 3 s between pulls; both are hard-coded in flwr 1.41. The only tunable is the SuperExec
+sleeps 3 s between pulls; both are hard-coded in flwr 1.41 (``supernode_poll`` starts the
+SuperNodes as ``contrafl-supernode``, which polls faster). The only setting flwr has is the SuperExec
 task poll interval (``FLWR_SUPEREXEC_TASK_POLL_INTERVAL``, default 1 s, range 0.01-60 s),
 which delays the start of every ServerApp and ClientApp process; it is set to
 :data:`SUPEREXEC_POLL_INTERVAL` here. A ServerApp can avoid the 3 s of
@@ -354,6 +355,9 @@ class LocalDeployment:
         node_configs: one dict per node, merged over the default node config (str, int,
             float or bool values).
         python_bin_dir: folder with flwr's executables; default: that of this Python.
+        supernode_poll: the SuperNodes' longest wait between pulls of messages, in
+            seconds: they run as ``contrafl-supernode`` (:mod:`contrafl.flower.supernode`);
+            None runs ``flower-supernode``, which waits 3 s.
         start_timeout: seconds to wait for the SuperLink and for every SuperNode to come up.
         stop_grace: seconds between SIGTERM and SIGKILL in :meth:`stop`.
     """
@@ -368,6 +372,7 @@ class LocalDeployment:
         port: int | None = None,
         node_configs: list[dict[str, ConfigValue]] | None = None,
         python_bin_dir: Path | None = None,
+        supernode_poll: float | None = None,
         start_timeout: float = 60.0,
         stop_grace: float = 10.0,
     ) -> None:
@@ -382,7 +387,10 @@ class LocalDeployment:
         self.tls = tls
         self.host = host
         self.port = port
+        if supernode_poll is not None and not supernode_poll > 0:
+            raise ConfigError(f"supernode_poll={supernode_poll} must be a positive number of seconds (None: flwr's 3 s)")
         self.bin_dir = Path(python_bin_dir or Path(sys.executable).parent).resolve()
+        self.supernode_poll = supernode_poll
         self.start_timeout = start_timeout
         self.stop_grace = stop_grace
         self.node_configs: list[dict[str, ConfigValue]] = [
@@ -432,7 +440,8 @@ class LocalDeployment:
             raise
 
     def _check_flwr(self) -> None:
-        missing = [e for e in FLWR_EXECUTABLES if not (self.bin_dir / e).is_file()]
+        needed = [*FLWR_EXECUTABLES, *(["contrafl-supernode"] if self.supernode_poll is not None else [])]
+        missing = [e for e in needed if not (self.bin_dir / e).is_file()]
         if missing:
             raise FlowerLaunchError(
                 f"Flower is not installed ({', '.join(missing)} not in {self.bin_dir}): "
@@ -481,12 +490,15 @@ class LocalDeployment:
             config_file.write_text(toml_document(config))
             home = self.workdir / "nodes" / f"supernode-{i}"
             home.mkdir(parents=True, exist_ok=True)
+            env = self._env(home)
+            if self.supernode_poll is not None:
+                env["CONTRAFL_SUPERNODE_POLL_S"] = str(self.supernode_poll)
             self._nodes.append(_Process(
                 f"supernode-{i}",
-                [str(self.bin_dir / "flower-supernode"), *node_security,
-                 "--superlink", self.address, "--port", str(node_ports[i]),
+                [str(self.bin_dir / ("flower-supernode" if self.supernode_poll is None else "contrafl-supernode")),
+                 *node_security, "--superlink", self.address, "--port", str(node_ports[i]),
                  "--node-config", str(config_file)],
-                self._env(home),
+                env,
                 self.log_dir / f"supernode-{i}.log",
             ))
             self._nodes[i].start()

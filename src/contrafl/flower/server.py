@@ -21,14 +21,12 @@ from ..algorithms.base import Phase, Reply
 from ..engine.simulation import ClientOutcome, Scores
 from ..errors import ContraflError
 from .codec import decode, encode  # first: a clear error when flwr is missing
-from flwr.app import ConfigRecord, Message, MessageType, RecordDict
+from flwr.app import Message, MessageType, RecordDict
 from flwr.serverapp import Grid
 
+from .node import USER_ERROR
+
 POLL_S = 0.2
-USER_ERROR = 100
-"""The code of the error reply of a ClientApp that cannot serve a message because of the
-user's setup (a node config or data that do not fit the run); its reason is the one-line
-message (Flower's own codes are below 100)."""
 
 
 class GridTransport:
@@ -216,12 +214,3 @@ def reason_of(reply: Message) -> str:
     message (:data:`USER_ERROR`), else Flower's error code and reason."""
     error = reply.error
     return str(error.reason) if error.code == USER_ERROR else f"error {error.code}: {error.reason}"
-
-
-def info_record(partition_id: int | None, problem: str | None = None) -> RecordDict:
-    """A query's answer: the partition a SuperNode serves (None: its node config does not
-    say), and why it cannot serve it, if it cannot."""
-    info: dict[str, int | str] = {} if partition_id is None else {"partition-id": partition_id}
-    if problem is not None:
-        info["problem"] = problem
-    return RecordDict({"info": ConfigRecord(info)})

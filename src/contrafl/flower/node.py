@@ -1,0 +1,141 @@
+"""What a SuperNode's node config says about the client it serves, read without torch
+(the ClientApp process of every message reads it; :mod:`contrafl.flower.worker` does the
+work).
+
+Node config keys, for SuperNodes on other machines than the server:
+
+* ``partition-id``: the client the SuperNode serves (required);
+* ``run-dir``: this machine's copy of the run directory (its ``config.yaml`` and
+  ``partition.json`` are all a client reads); default: the run config's;
+* ``data-dir``: where this machine has the dataset; default: the config's ``data_dir``;
+* ``state-dir``: where the client keeps its state; default: ``<run-dir>/flower-clients``;
+* ``threads``: torch's intra-op threads for the client (several SuperNodes on one
+  machine share its cores); default: torch's (all cores);
+* ``worker``: ``true`` (default) serves the messages in a worker process that stays
+  alive between them (:mod:`contrafl.flower.worker`), ``false`` in the ClientApp process
+  of each message, as Flower runs ClientApps.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from . import require_flwr
+
+require_flwr()
+from flwr.app import ConfigRecord, Context, RecordDict  # noqa: E402
+
+from ..config import load_config  # noqa: E402
+from ..errors import ConfigError, ContraflError  # noqa: E402
+
+USER_ERROR = 100
+"""The code of the error reply of a ClientApp that cannot serve a message because of the
+user's setup (a node config or data that do not fit the run); its reason is the one-line
+message (Flower's own codes are below 100)."""
+
+
+def number(node_config: dict[str, Any], key: str) -> int | None:
+    """The whole number ``key`` of a node config (None when it is not there)."""
+    value = node_config.get(key)
+    if value is None or value == "":
+        return None
+    if isinstance(value, bool) or not str(value).lstrip("-").isdigit():
+        raise ConfigError(f"node config {key}={value!r} is not a whole number; restart the SuperNode with --node-config \"{key}=N ...\"")
+    return int(value)
+
+
+def flag(node_config: dict[str, Any], key: str, default: bool) -> bool:
+    """The true/false value ``key`` of a node config (``default`` when it is not there)."""
+    value = node_config.get(key)
+    if value is None or value == "":
+        return default
+    if isinstance(value, bool):
+        return value
+    if str(value).lower() in ("true", "false"):
+        return str(value).lower() == "true"
+    raise ConfigError(f"node config {key}={value!r} is not true or false; restart the SuperNode with --node-config \"{key}=true\" or \"{key}=false\"")
+
+
+@dataclass(frozen=True)
+class NodeSettings:
+    """What a SuperNode's node config (and the run config) say about its client."""
+
+    partition_id: int
+    run_dir: str
+    run_dir_setting: str
+    """Where ``run_dir`` comes from, for messages: the node config's key, or the server's."""
+    state_dir: str | None
+    data_dir: str | None
+    threads: int | None
+    worker: bool = True
+
+    @classmethod
+    def of(cls, context: Context) -> NodeSettings:
+        """The settings of the SuperNode running ``context``; :class:`ConfigError` when
+        its node config lacks ``partition-id`` or gives a value of the wrong kind."""
+        node = context.node_config
+
+        def path(key: str) -> str | None:
+            return str(node[key]) if node.get(key) else None
+
+        cid = number(node, "partition-id")
+        if cid is None:
+            raise ConfigError("the node config has no partition-id: restart the SuperNode with --node-config \"partition-id=K ...\", K the client it serves")
+        threads = number(node, "threads")
+        if threads is not None and threads < 1:
+            raise ConfigError(f"node config threads={threads} must be at least 1 (torch's threads for the client)")
+        if path("run-dir") is not None:
+            run_dir, setting = str(node["run-dir"]), f"node config run-dir='{node['run-dir']}'"
+        else:
+            run_dir = str(context.run_config["run-dir"])
+            setting = f"run-dir='{run_dir}' (the server's; the node config sets no run-dir)"
+        return cls(cid, run_dir, setting, path("state-dir"), path("data-dir"), threads, flag(node, "worker", True))
+
+    def check(self) -> None:
+        """:class:`ConfigError` unless the run directory has the run's files, the
+        partition is one of its clients and a ``data-dir`` given exists (what a SuperNode
+        can tell without loading the data)."""
+        run_dir = Path(self.run_dir)
+        if self.data_dir is not None and not Path(self.data_dir).is_dir():
+            raise ConfigError(
+                f"node config data-dir='{self.data_dir}' is not a folder; copy the dataset files to this machine "
+                "and restart the SuperNode with --node-config data-dir set to their folder"
+            )
+        missing = [name for name in ("config.yaml", "partition.json") if not (run_dir / name).is_file()]
+        if missing:
+            raise ConfigError(
+                f"{self.run_dir_setting}: no {' and no '.join(missing)} there; copy config.yaml and partition.json "
+                "of the server's run directory to this machine and restart the SuperNode with --node-config run-dir set to their folder"
+            )
+        clients = load_config(run_dir / "config.yaml").num_clients
+        if not 0 <= self.partition_id < clients:
+            raise ConfigError(
+                f"node config partition-id={self.partition_id} is not a client of the run (0..{clients - 1}); "
+                "restart the SuperNode with the partition-id of the client it serves"
+            )
+
+    def as_dict(self) -> dict[str, Any]:
+        """The settings as JSON values (:meth:`from_dict` reads them back)."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> NodeSettings:
+        return cls(**values)
+
+
+def reported(exc: ContraflError) -> str:
+    """``exc``'s message, also written to the SuperNode's log (one line)."""
+    print(f"contrafl: {exc}", file=sys.stderr, flush=True)
+    return str(exc)
+
+
+def info_record(partition_id: int | None, problem: str | None = None) -> RecordDict:
+    """A query's answer: the partition a SuperNode serves (None: its node config does not
+    say), and why it cannot serve it, if it cannot."""
+    info: dict[str, int | str] = {} if partition_id is None else {"partition-id": partition_id}
+    if problem is not None:
+        info["problem"] = problem
+    return RecordDict({"info": ConfigRecord(info)})

@@ -1,0 +1,268 @@
+"""A SuperNode's worker: one process that answers every train and evaluate message of the
+SuperNode's client, with torch, the client's data and its model loaded once.
+
+flwr 1.41 runs each message in a new ClientApp process (``flwr-clientapp`` handles one
+task and exits), which would import torch (1.6-2.6 s) and read the config, the data and
+the model again for every message. contrafl's ClientApp imports neither: it hands the
+message to its SuperNode's worker over a Unix socket (:func:`request`) and relays the
+reply. The worker is started by the SuperNode's first message (the server's query of
+which partition it serves, :func:`start`), loads the client while the server gets ready,
+and answers with :meth:`FlowerClient.answer`, the code a ClientApp runs itself with the
+node config ``worker=false``.
+
+The client's state still goes to its files after every round and is read back from them
+for every message (:meth:`FlowerClient.load_state`), so a worker that dies loses
+nothing: the next message starts a new one, which answers as the old one would have.
+
+A worker serves one SuperNode's settings (:class:`NodeSettings`) for one run directory
+(the sizes and times of its ``config.yaml`` and ``partition.json`` are part of the
+worker's address) and one process that starts the ClientApps (Flower's SuperExec, a
+child of the SuperNode). It exits when that process is gone, after
+``CONTRAFL_WORKER_IDLE_S`` seconds without a message (default 600), or on a ``stop``
+request. It runs in the SuperNode's process group, so signalling the group stops it too,
+and writes to the SuperNode's log. Its socket is in ``CONTRAFL_WORKER_DIR`` (default:
+``contrafl-workers-<uid>`` in the temporary directory, open to its owner only).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+from ..errors import ContraflError
+from .node import NodeSettings
+from .wire import pack, recv_frame, send_frame, unpack
+from flwr.app import RecordDict
+
+IDLE_S = 600.0
+"""Seconds a worker waits for a message before it exits (``CONTRAFL_WORKER_IDLE_S``)."""
+START_S = 300.0
+"""Seconds a ClientApp waits for a new worker to listen (it imports torch and loads the
+client's data first; minutes on a loaded machine)."""
+
+
+_children: dict[Path, subprocess.Popen] = {}
+"""The workers this process started, by socket (so that one that died is seen as dead)."""
+
+
+class WorkerError(RuntimeError):
+    """A worker could not answer for a reason that is not the user's input (it died, or
+    its code raised); Flower sends it to the server as the ClientApp's exception."""
+
+
+def worker_dir() -> Path:
+    """The folder of the workers' sockets (made, open to its owner only)."""
+    folder = Path(os.environ.get("CONTRAFL_WORKER_DIR") or Path(tempfile.gettempdir()) / f"contrafl-workers-{os.getuid()}")
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return folder
+
+
+def address(settings: NodeSettings, owner: int) -> Path:
+    """The socket of the worker for ``settings`` (checked: the run's files exist) whose
+    ClientApps ``owner`` starts."""
+    run = Path(settings.run_dir)
+    files = [(s.st_size, s.st_mtime_ns) for s in ((run / name).stat() for name in ("config.yaml", "partition.json"))]
+    key = json.dumps([settings.as_dict(), owner, files, sys.executable], sort_keys=True)
+    return worker_dir() / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.sock"
+
+
+def start(settings: NodeSettings) -> Path:
+    """Start the worker of ``settings`` (for the process that starts this ClientApp),
+    unless it runs or is starting; its socket, on which it listens soon."""
+    path = address(settings, os.getppid())
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if _connect(path) is None and _starting(path) is None:
+            _spawn(path, settings, os.getppid())
+    return path
+
+
+def request(settings: NodeSettings, kind: str, content: RecordDict) -> RecordDict:
+    """The worker's reply content to a ``kind`` message with ``content`` (the worker is
+    started when it does not run). Raises :class:`ContraflError` with the worker's
+    one-line message when the user's setup does not fit the run, and :class:`WorkerError`
+    when the worker failed otherwise."""
+    path = start(settings)
+    sock = _wait_until_listening(path, settings)
+    with sock:
+        send_frame(sock, json.dumps({"kind": kind}).encode())
+        send_frame(sock, pack(content))
+        try:
+            status = json.loads(recv_frame(sock))
+            body = recv_frame(sock)
+        except ConnectionError:
+            raise WorkerError(
+                f"the contrafl worker of partition {settings.partition_id} died while it answered a {kind} message "
+                "(its output is in the SuperNode's log); the next message starts a new one"
+            ) from None
+    if "user_error" in status:
+        raise ContraflError(status["user_error"])
+    if "error" in status:
+        raise WorkerError(status["error"])
+    return unpack(body)
+
+
+def stop(path: Path) -> bool:
+    """Ask the worker listening on ``path`` to exit; whether one was listening."""
+    sock = _connect(path)
+    if sock is None:
+        return False
+    with sock:
+        try:
+            send_frame(sock, json.dumps({"kind": "stop"}).encode())
+            send_frame(sock, b"")
+            recv_frame(sock)
+        except OSError:  # it exited meanwhile
+            pass
+    return True
+
+
+def _connect(path: Path) -> socket.socket | None:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.connect(str(path))
+        return sock
+    except (FileNotFoundError, ConnectionRefusedError):
+        sock.close()
+        return None
+
+
+def _starting(path: Path) -> int | None:
+    """The pid of the worker started for ``path`` if it still runs (it may not listen yet)."""
+    try:
+        pid = int(path.with_suffix(".pid").read_text())
+    except (FileNotFoundError, ValueError):
+        return None
+    child = _children.get(path)
+    if child is not None and child.pid == pid:
+        return pid if child.poll() is None else None
+    return pid if _alive(pid) else None
+
+
+def _spawn(path: Path, settings: NodeSettings, owner: int) -> None:
+    path.unlink(missing_ok=True)
+    argv = [sys.executable, "-m", "contrafl.flower.worker", str(path), str(owner), json.dumps(settings.as_dict())]
+    _children[path] = subprocess.Popen(argv, stdin=subprocess.DEVNULL)  # noqa: S603 - our own module
+    path.with_suffix(".pid").write_text(str(_children[path].pid))
+
+
+def _wait_until_listening(path: Path, settings: NodeSettings) -> socket.socket:
+    deadline = time.monotonic() + START_S
+    while (sock := _connect(path)) is None:
+        if _starting(path) is None:
+            raise WorkerError(
+                f"the contrafl worker of partition {settings.partition_id} exited before it listened "
+                "(its output is in the SuperNode's log)"
+            )
+        if time.monotonic() > deadline:
+            raise WorkerError(f"the contrafl worker of partition {settings.partition_id} did not listen within {START_S:g}s")
+        time.sleep(0.02)
+    return sock
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+class Worker:
+    """The worker process for ``settings`` on the socket ``path``; ``owner``: the process
+    whose end ends it; ``idle``: seconds without a message after which it exits."""
+
+    def __init__(self, path: Path, owner: int, settings: NodeSettings, idle: float) -> None:
+        self.path, self.owner, self.settings, self.idle = path, owner, settings, idle
+        self.client = None
+
+    def serve(self) -> None:
+        """Listen, load the client, answer messages one at a time until it is time to
+        exit; then stop listening and answer the messages already waiting."""
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(str(self.path))
+        listener.listen(16)
+        try:  # load the data and the model before the first message, which reports a failure
+            self._client()
+        except Exception:  # noqa: BLE001
+            pass
+        listener.settimeout(1.0)
+        last = time.monotonic()
+        while _alive(self.owner) and time.monotonic() - last < self.idle:
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                continue
+            if not self._answer(conn):
+                break
+            last = time.monotonic()
+        self.retire()
+        listener.setblocking(False)
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except BlockingIOError:
+                break
+            self._answer(conn)
+        listener.close()
+
+    def retire(self) -> None:
+        """Stop being the worker of the socket: new ClientApps start a new one from here on."""
+        pid_file = self.path.with_suffix(".pid")
+        if pid_file.is_file() and pid_file.read_text() == str(os.getpid()):
+            pid_file.unlink(missing_ok=True)
+        self.path.unlink(missing_ok=True)
+
+    def _client(self):
+        from .client import FlowerClient
+
+        if self.client is None:
+            self.client = FlowerClient.of(self.settings)
+        return self.client
+
+    def _answer(self, conn: socket.socket) -> bool:
+        """Answer the message on ``conn``; False when it asks the worker to exit."""
+        with conn:
+            conn.setblocking(True)
+            try:
+                kind = json.loads(recv_frame(conn))["kind"]
+                content = recv_frame(conn)
+            except (ConnectionError, ValueError, KeyError):
+                return True
+            status: dict[str, str] = {}
+            body = b""
+            if kind != "stop":
+                try:
+                    body = pack(self._client().answer(kind, unpack(content)))
+                except ContraflError as exc:
+                    status = {"user_error": str(exc)}
+                except Exception:  # noqa: BLE001 - sent to the ClientApp, which raises it
+                    status = {"error": traceback.format_exc()}
+            try:
+                send_frame(conn, json.dumps(status).encode())
+                send_frame(conn, body)
+            except OSError:
+                pass  # the ClientApp is gone (Flower stopped it)
+        return kind != "stop"
+
+
+def main() -> None:
+    """``python -m contrafl.flower.worker SOCKET OWNER SETTINGS`` (started by :func:`start`)."""
+    path, owner, settings = Path(sys.argv[1]), int(sys.argv[2]), NodeSettings.from_dict(json.loads(sys.argv[3]))
+    idle = float(os.environ.get("CONTRAFL_WORKER_IDLE_S") or IDLE_S)
+    Worker(path, owner, settings, idle).serve()
+
+
+if __name__ == "__main__":
+    main()
