@@ -141,15 +141,15 @@ def test_every_algorithm_runs_through_fresh_client_processes(tmp_path, algorithm
 
 
 def crash_and_resume(path: Path, cfg, crash_in: int, reuse: bool, rounds_done: int, states: list[str] | None = None) -> None:
-    """The run of ``cfg`` in ``path`` with its server dying after round ``crash_in``
-    (from 0), then resumed (from ``rounds_done``, asserted) to its end with the same
-    clients; ``states``: client 0's state files at the crash (asserted)."""
+    """The run of ``cfg`` in ``path`` with its server dying in round ``crash_in`` (from
+    0) once its clients replied, then resumed (from ``rounds_done``, asserted) to its end
+    with the same clients; ``states``: client 0's state files at the crash (asserted)."""
     prepare_run(cfg, path)
     sim = resume(prepare(load_config(path / "config.yaml")), RunDir(path, resume=True))
     sim.transport = transport = FreshClients(path, sim, crash_in=crash_in, reuse=reuse)
     with pytest.raises(KeyboardInterrupt):
         sim.run()
-    assert len(metrics(path)) == crash_in + 1
+    assert len(metrics(path)) == crash_in
     if states is not None:
         assert sorted(p.name for p in (path / "flower-clients" / "client-0").iterdir()) == states
     sim = resume(prepare(load_config(path / "config.yaml")), RunDir(path, resume=True))

@@ -100,8 +100,16 @@ def test_workers_answer_as_the_clientapp_does_and_a_killed_one_is_replaced(tmp_p
     first, second, third = grid.workers_seen
     assert len(first) == 3 and first == second  # started by the queries, kept across rounds
     assert len(third) == 3 and set(third) == set(second)  # listed just before they were killed
-    assert len(list(worker_dir.glob("*.pid"))) == 3
     assert {int(p.read_text()) for p in worker_dir.glob("*.pid")}.isdisjoint(third)  # new workers
+    # the killed workers' files were swept when the new ones started
+    assert sorted(p.suffix for p in worker_dir.iterdir()) == [".lock"] * 3 + [".pid"] * 3 + [".sock"] * 3
+
+    pid_file = sorted(worker_dir.glob("*.pid"))[0]
+    os.kill(int(pid_file.read_text()), signal.SIGTERM)  # as when the SuperNode's group is stopped
+    deadline = time.monotonic() + 10
+    while pid_file.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not pid_file.exists() and not pid_file.with_suffix(".sock").exists()
 
 
 def test_a_worker_reports_what_does_not_fit_in_one_line_and_worker_false_answers_in_process(tmp_path, capsys, worker_dir):

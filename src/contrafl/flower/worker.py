@@ -30,6 +30,7 @@ import fcntl
 import hashlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -82,8 +83,30 @@ def start(settings: NodeSettings) -> Path:
     with open(path.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if _connect(path) is None and _starting(path) is None:
+            sweep(path.parent, keep=path)
             _spawn(path, settings, os.getppid())
     return path
+
+
+def sweep(folder: Path, keep: Path) -> None:
+    """Remove the files of workers that are gone (a worker killed by SIGKILL leaves its
+    socket and pid file), except ``keep``'s: those whose pid file names no live process,
+    or that have none, and whose lock no ClientApp holds."""
+    for lock_file in folder.glob("*.lock"):
+        sock = lock_file.with_suffix(".sock")
+        if sock == keep or _starting(sock) is not None:
+            continue
+        with open(lock_file, "a") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue
+            live = _connect(sock)
+            if live is not None:
+                live.close()
+                continue
+            for leftover in (sock, lock_file.with_suffix(".pid"), lock_file):
+                leftover.unlink(missing_ok=True)
 
 
 def request(settings: NodeSettings, kind: str, content: RecordDict) -> RecordDict:
@@ -186,6 +209,7 @@ class Worker:
     def __init__(self, path: Path, owner: int, settings: NodeSettings, idle: float) -> None:
         self.path, self.owner, self.settings, self.idle = path, owner, settings, idle
         self.client = None
+        self.retired = False
 
     def serve(self) -> None:
         """Listen, load the client, answer messages one at a time until it is time to
@@ -193,32 +217,39 @@ class Worker:
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         listener.bind(str(self.path))
         listener.listen(16)
-        try:  # load the data and the model before the first message, which reports a failure
-            self._client()
-        except Exception:  # noqa: BLE001
-            pass
-        listener.settimeout(1.0)
-        last = time.monotonic()
-        while _alive(self.owner) and time.monotonic() - last < self.idle:
-            try:
-                conn, _ = listener.accept()
-            except TimeoutError:
-                continue
-            if not self._answer(conn):
-                break
+        try:
+            try:  # load the data and the model before the first message, which reports a failure
+                self._client()
+            except Exception:  # noqa: BLE001
+                pass
+            listener.settimeout(1.0)
             last = time.monotonic()
-        self.retire()
-        listener.setblocking(False)
-        while True:
-            try:
-                conn, _ = listener.accept()
-            except BlockingIOError:
-                break
-            self._answer(conn)
-        listener.close()
+            while _alive(self.owner) and time.monotonic() - last < self.idle:
+                try:
+                    conn, _ = listener.accept()
+                except TimeoutError:
+                    continue
+                if not self._answer(conn):
+                    break
+                last = time.monotonic()
+            self.retire()
+            listener.setblocking(False)
+            while True:
+                try:
+                    conn, _ = listener.accept()
+                except BlockingIOError:
+                    break
+                self._answer(conn)
+        finally:  # also when stopped by a signal (SIGTERM to the SuperNode's group)
+            self.retire()
+            listener.close()
 
     def retire(self) -> None:
-        """Stop being the worker of the socket: new ClientApps start a new one from here on."""
+        """Stop being the worker of the socket: new ClientApps start a new one from here on
+        (once: the socket may be a new worker's afterwards)."""
+        if self.retired:
+            return
+        self.retired = True
         pid_file = self.path.with_suffix(".pid")
         if pid_file.is_file() and pid_file.read_text() == str(os.getpid()):
             pid_file.unlink(missing_ok=True)
@@ -261,6 +292,7 @@ def main() -> None:
     """``python -m contrafl.flower.worker SOCKET OWNER SETTINGS`` (started by :func:`start`)."""
     path, owner, settings = Path(sys.argv[1]), int(sys.argv[2]), NodeSettings.from_dict(json.loads(sys.argv[3]))
     idle = float(os.environ.get("CONTRAFL_WORKER_IDLE_S") or IDLE_S)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     Worker(path, owner, settings, idle).serve()
 
 
