@@ -279,7 +279,10 @@ def test_fedx_agrees_across_executors():
             torch.testing.assert_close(b.buffers["model"][k].float(), a.buffers["model"][k].float(), rtol=1e-5, atol=1e-5)
         for k in ("loss", "nt_local", "nt_global", "js_local", "js_global"):
             torch.testing.assert_close(b.stats[k], a.stats[k], rtol=1e-5, atol=1e-5)
-        assert a.stats["js_global"] > 0 and not torch.equal(a.params["model"]["predictor.0.weight"], sd["predictor.0.weight"])
+        # the views are the same image (no augmentation), so both relational terms are 0 up to
+        # rounding, of either sign (its sign differs between CPUs); the global model's term is not
+        assert abs(a.stats["js_local"]) < 1e-6 and abs(a.stats["js_global"]) < 1e-6
+        assert a.stats["nt_global"] > 0 and not torch.equal(a.params["model"]["predictor.0.weight"], sd["predictor.0.weight"])
 
 
 # -- runs -------------------------------------------------------------------------------------

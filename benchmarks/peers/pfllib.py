@@ -162,6 +162,9 @@ def main() -> None:
     p.add_argument("--beta", type=float, default=0.1, help="Dirichlet concentration (PFLlib's default alpha)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, help="also write the results here")
+    p.add_argument("--bf16", action="store_true",
+                   help="also time contrafl with precision=auto (bfloat16 autocast where the CPU has AMX or AVX512-BF16) "
+                        "in every repeat; its ratio is reported beside fp32's")
     a = p.parse_args()
 
     pfllib = a.pfllib.resolve()
@@ -189,9 +192,18 @@ def main() -> None:
         print(f"\n=== {algo}")
         print(f"contrafl: {show(cf_base + ['--out', str(a.work / f'contrafl-{algo}-K'), '--quiet'])}")
         print(f"PFLlib:   {show(peer_cmd, pfllib / 'system')}")
-        times: dict[str, list[float]] = {"contrafl": [], "pfllib": []}
-        accs: dict[str, list] = {"contrafl": [], "pfllib": []}
+        times: dict[str, list[float]] = {"contrafl": [], "pfllib": [], "contrafl_bf16": []}
+        accs: dict[str, list] = {"contrafl": [], "pfllib": [], "contrafl_bf16": []}
         for k in range(a.repeats):
+            if a.bf16:
+                out_dir = a.work / f"contrafl-bf16-{algo}-{k}"
+                wall, rc, out = timed(cf_base + ["precision=auto", "--out", str(out_dir), "--quiet"], None, a.work / f"contrafl-bf16-{algo}-{k}.log")
+                if rc == 0:
+                    last, prev, key = contrafl_accuracy(out_dir, a.rounds)
+                    times["contrafl_bf16"].append(wall)
+                    accs["contrafl_bf16"].append((last, prev))
+                    print(f"  run {k}: contrafl precision=auto {wall:7.1f} s  {key} after {a.rounds} rounds {fmt(last)}, "
+                          f"after {a.rounds - 1} {fmt(prev)}   (load {load()})")
             out_dir = a.work / f"contrafl-{algo}-{k}"
             wall, rc, out = timed(cf_base + ["--out", str(out_dir), "--quiet"], None, a.work / f"contrafl-{algo}-{k}.log")
             if rc != 0:
@@ -217,9 +229,14 @@ def main() -> None:
             continue
         m_cf, m_peer = median(times["contrafl"]), median(times["pfllib"])
         print(f"  median: contrafl {m_cf:.1f} s, PFLlib {m_peer:.1f} s -> PFLlib / contrafl = {m_peer / m_cf:.2f}x")
-        results.append({"algorithm": algo, "contrafl_s": times["contrafl"], "pfllib_s": times["pfllib"],
-                        "contrafl_acc_last_prev": accs["contrafl"], "pfllib_acc_last_best": accs["pfllib"],
-                        "ratio": m_peer / m_cf})
+        result = {"algorithm": algo, "contrafl_s": times["contrafl"], "pfllib_s": times["pfllib"],
+                  "contrafl_acc_last_prev": accs["contrafl"], "pfllib_acc_last_best": accs["pfllib"],
+                  "ratio": m_peer / m_cf}
+        if times["contrafl_bf16"]:
+            m_bf = median(times["contrafl_bf16"])
+            print(f"  median: contrafl precision=auto {m_bf:.1f} s -> PFLlib / contrafl = {m_peer / m_bf:.2f}x")
+            result.update(contrafl_bf16_s=times["contrafl_bf16"], contrafl_bf16_acc_last_prev=accs["contrafl_bf16"], ratio_bf16=m_peer / m_bf)
+        results.append(result)
 
     print("\n| algorithm | contrafl (s) | PFLlib (s) | PFLlib / contrafl | contrafl acc (R / R-1 rounds) | PFLlib acc (R-1 rounds) |")
     print("|---|---|---|---|---|---|")
@@ -228,6 +245,13 @@ def main() -> None:
         peer_acc = r["pfllib_acc_last_best"][0]
         print(f"| {r['algorithm']} | {median(r['contrafl_s']):.1f} | {median(r['pfllib_s']):.1f} | "
               f"{r['ratio']:.2f}x | {fmt(cf_acc[0])} / {fmt(cf_acc[1])} | {fmt(peer_acc[0])} |")
+    if any("ratio_bf16" in r for r in results):
+        print("\n| algorithm | contrafl precision=auto (s) | PFLlib / contrafl | contrafl acc (R / R-1 rounds) |")
+        print("|---|---|---|---|")
+        for r in results:
+            if "ratio_bf16" in r:
+                acc = r["contrafl_bf16_acc_last_prev"][0]
+                print(f"| {r['algorithm']} | {median(r['contrafl_bf16_s']):.1f} | {r['ratio_bf16']:.2f}x | {fmt(acc[0])} / {fmt(acc[1])} |")
     if a.json:
         a.json.write_text(json.dumps(results, indent=1))
 

@@ -106,7 +106,10 @@ class Config:
     executor: str = P.param("auto", P.OneOf(("auto", "sequential", "parallel", "vectorized")), "how clients are trained")
     workers: int | None = P.param(None, P.Interval(1, None), "worker processes of the parallel executor (auto: the CPU cores)")
     device: str = P.param("auto", P.OneOf(("auto", "cpu", "cuda")), "where training runs")
-    precision: str = P.param("fp32", P.OneOf(("fp32", "bf16")), "bf16 autocast on CUDA")
+    precision: str = P.param(
+        "fp32", P.OneOf(("fp32", "bf16", "auto")),
+        "bf16: local training under bfloat16 autocast (a GPU, or a CPU with AMX or AVX512-BF16); auto: bf16 where the device has it, else fp32",
+    )
     eval_every: int = P.param(1, P.Interval(1, None), "evaluate every this many rounds (and the last)")
     eval_batch_size: int = P.param(1000, P.Interval(1, None), "batch size of evaluation")
     knn_every: int | None = P.param(None, P.Interval(0, None), "kNN accuracy of the global encoder every this many rounds (and the last); 0 = off (auto: eval_every for self-supervised algorithms, else off)")

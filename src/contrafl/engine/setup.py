@@ -57,6 +57,41 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+CPU_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
+"""The CPU features (``/proc/cpuinfo`` flags) of native bfloat16 arithmetic."""
+
+
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags (Linux's ``/proc/cpuinfo``; empty elsewhere)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    line = next((line for line in text.splitlines() if line.startswith("flags")), "")
+    return set(line.partition(":")[2].split())
+
+
+def native_bf16(device: torch.device) -> bool:
+    """Whether ``device`` computes in bfloat16 natively: a CUDA GPU that supports it, or a
+    CPU with AMX or AVX512-BF16 (where oneDNN's bf16 kernels run)."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    return device.type == "cpu" and any(flag in cpu_flags() for flag in CPU_BF16_FLAGS)
+
+
+def resolve_precision(name: str, device: torch.device) -> str:
+    """``fp32`` or ``bf16`` for the setting ``name`` on ``device``: ``auto`` takes bf16
+    where the device has it natively; bf16 on a device without it is a
+    :class:`ConfigError` (emulated, it would be slower than fp32)."""
+    native = native_bf16(device)
+    if name == "auto":
+        return "bf16" if native else "fp32"
+    if name == "bf16" and not native:
+        where = "this CPU has neither AMX nor AVX512-BF16" if device.type == "cpu" else f"{device.type} has no native bfloat16"
+        raise ConfigError(f"precision=bf16 but {where}; use precision=fp32, or precision=auto (bf16 where the device has it)")
+    return name
+
+
 def load_data(cfg: Config) -> tuple[FederatedDataset, Component]:
     """Load the configured dataset; returns it and its validated component."""
     spec = DATASETS.get(cfg.dataset.name)
@@ -132,6 +167,7 @@ def resolve(cfg: Config) -> Config:
             cfg.server_momentum if cfg.server_momentum is not None else algo_cls.default_server_momentum
         ),
         device=device.type,
+        precision=resolve_precision(cfg.precision, device),
         eval_personal=(
             cfg.eval_personal if cfg.eval_personal is not None
             else algo_cls.supervised and (algo_cls.personalized or cfg.test_fraction > 0)
