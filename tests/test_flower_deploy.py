@@ -44,7 +44,7 @@ RUNS = {
 
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory):
-    with LocalDeployment(tmp_path_factory.mktemp("flower"), CLIENTS) as d:
+    with LocalDeployment(tmp_path_factory.mktemp("flower"), CLIENTS, supernode_poll=0.2) as d:  # contrafl deploy's SuperNodes
         yield d
 
 

@@ -101,7 +101,7 @@ def test_malformed_updates_are_rejected_with_their_reason_and_the_round_goes_on(
     run = tmp_path / "flower-run"
     prepare_run(load_config(None, settings), run)
     faults = [{}, {"fault": "nan"}, {"fault": "shape"}]
-    with LocalDeployment(tmp_path / "flower", CLIENTS, node_configs=faults) as deployment:
+    with LocalDeployment(tmp_path / "flower", CLIENTS, node_configs=faults, supernode_poll=0.2) as deployment:
         result = deployment.run(FAULTY_APP, run_config(run, round_timeout=120, min_replies=CLIENTS), timeout=600)
     rows = metrics(run)
     for row in rows:
@@ -123,7 +123,7 @@ def test_a_client_killed_in_a_round_is_lost_and_rejoins_with_its_state(tmp_path)
     settings = ["algorithm=moon", *COMMON, "rounds=4"]
     run = tmp_path / "flower-run"
     prepare_run(load_config(None, settings), run)
-    with LocalDeployment(tmp_path / "flower", CLIENTS) as deployment:
+    with LocalDeployment(tmp_path / "flower", CLIENTS, supernode_poll=0.2) as deployment:
         config = {**run_config(run, round_timeout=45, min_replies=2), "wait-nodes": 60.0}
         thread, outcome = in_background(deployment, APP_DIR, config)
         wait_for_rows(run, 1, thread)

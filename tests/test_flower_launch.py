@@ -47,10 +47,13 @@ def _running(pid: int) -> bool:
 
 def _run_echo(tmp_path: Path, tls: bool) -> None:
     """Start 2 nodes, run the echo app, check its output, restart a node (and, insecure,
-    the SuperLink), check that stop() leaves no process behind."""
+    the SuperLink), check that stop() leaves no process behind. The nodes are
+    ``contrafl-supernode`` s, whose ClientApps of any app run in one process each (the
+    echo app's replies count the rounds in ``context.state``, which its SuperNode keeps
+    from one message to the next)."""
     out = tmp_path / "out.json"
     dep = LocalDeployment(
-        tmp_path / "deploy", 2, tls=tls, node_configs=[{"label": LABEL}, {"label": "plain"}]
+        tmp_path / "deploy", 2, tls=tls, node_configs=[{"label": LABEL}, {"label": "plain"}], supernode_poll=0.2,
     )
     with dep:
         assert all(dep.node_ids)
@@ -75,7 +78,7 @@ def _run_echo(tmp_path: Path, tls: bool) -> None:
             assert set(dep.node_ids) == online and new_id not in online
 
         pids = dep.pids()
-        assert len(pids) >= 6  # SuperLink, 2 SuperNodes and a SuperExec for each
+        assert len(pids) >= 6  # SuperLink, 2 SuperNodes and a ClientApp runner for each
     assert pids and not [p for p in pids if _running(p)]
     assert dep.pids() == set()
 

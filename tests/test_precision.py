@@ -12,7 +12,8 @@ import torch
 
 from contrafl.config import load_config
 from contrafl.engine import setup
-from contrafl.engine.executor import Workload
+from contrafl.engine.executor import AutocastNet, FunctionalNet, Workload
+from contrafl.models.registry import build_model
 from contrafl.engine.setup import prepare, resolve, resolve_precision
 from contrafl.engine.simulation import Simulation
 from contrafl.errors import ConfigError
@@ -72,3 +73,25 @@ def test_bf16_local_training_runs_under_autocast_reproducibly(tmp_path, monkeypa
     assert [r["train_loss"] for r in bf16] == [r["train_loss"] for r in again]
     assert [r["train_loss"] for r in bf16] != [r["train_loss"] for r in fp32]
     assert bf16[0]["train_loss"] == pytest.approx(fp32[0]["train_loss"], rel=0.02)
+
+
+def test_the_algorithms_own_forward_runs_in_the_runs_precision(tmp_path, monkeypatch):
+    """Context.net (FedALA's adaptive aggregation, Per-FedAvg's adaptation) is the plain
+    forward in fp32 runs and the autocast one in bf16 runs, whose outputs are float32
+    and close to fp32's; a bf16 FedALA run (ALA in its first rounds) completes."""
+    net = FunctionalNet(build_model("moon_cnn", (3, 32, 32), 10))
+    state = dict(net.eval_model.state_dict())
+    x = torch.randn(5, 3, 32, 32)
+    plain, cast = net(state, x, train=False), AutocastNet(net, torch.bfloat16)(state, x, train=False)
+    for a, b in zip(plain[:3], cast[:3]):
+        assert b.dtype == torch.float32 and not torch.equal(a, b)
+        torch.testing.assert_close(b, a, rtol=0.05, atol=0.05)
+
+    monkeypatch.setattr(setup, "cpu_flags", lambda: {"amx_bf16"})
+    base = ["algorithm=fedala", "num_clients=2", "rounds=3", "local_epochs=1", "batch_size=8", "executor=sequential",
+            "pool=true", "test_fraction=0.25", *tiny_cifar(tmp_path, rows=32, test_rows=8)]
+    for precision, kind in (("fp32", FunctionalNet), ("bf16", AutocastNet)):
+        sim = Simulation(prepare(load_config(None, [*base, f"precision={precision}"])), None, None)
+        assert isinstance(sim.client_net, kind)
+        sim.run()
+        assert len(sim.history) == 3 and all(torch.isfinite(torch.tensor(r["train_loss"])) for r in sim.history)

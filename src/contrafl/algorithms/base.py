@@ -74,7 +74,8 @@ class ClientContext(Protocol):
 
     ``net`` is the run's functional forward (:class:`Network`), for computations an
     algorithm makes outside the executor's local training (FedALA's adaptive
-    aggregation, Per-FedAvg's adaptation step at evaluation); ``generator(*key)`` gives
+    aggregation, Per-FedAvg's adaptation step at evaluation), in the run's precision
+    (with ``precision=bf16`` under bfloat16 autocast, its outputs in float32); ``generator(*key)`` gives
     a random stream derived from (seed, round, client, key).
     """
 

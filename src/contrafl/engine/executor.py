@@ -54,6 +54,33 @@ class FunctionalNet:
                 table[attr] = old
 
 
+def bf16_layout(x: torch.Tensor) -> torch.Tensor:
+    """``x`` channels-last when it is a batch of images on the CPU (the layout of
+    oneDNN's bfloat16 convolutions), else as it is."""
+    return x.contiguous(memory_format=torch.channels_last) if x.device.type == "cpu" and x.dim() == 4 else x
+
+
+class AutocastNet:
+    """``net`` under autocast to ``dtype`` (``precision=bf16``), as local training runs:
+    the run's forward for what an algorithm computes outside the executor (FedALA's
+    adaptive aggregation, Per-FedAvg's adaptation step, Orchestra's clustering pass).
+    The outputs come back in float32, so that losses and statistics computed from them
+    stay in float32, as under autocast."""
+
+    def __init__(self, net: FunctionalNet, dtype: torch.dtype) -> None:
+        self.net, self.dtype = net, dtype
+
+    def __call__(self, state: Mapping[str, torch.Tensor], x: torch.Tensor, *, train: bool) -> ModelOutput:
+        with torch.autocast(x.device.type, dtype=self.dtype):
+            out = self.net(state, bf16_layout(x), train=train)
+
+        def fp32(v: Any) -> Any:
+            return v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+
+        extra = None if out.extra is None else {k: fp32(v) for k, v in out.extra.items()}
+        return ModelOutput(fp32(out.h), fp32(out.z), fp32(out.logits), fp32(out.p), extra)
+
+
 def _slots(model: torch.nn.Module) -> list[tuple[str, dict, str]]:
     """``(state-dict name, the owning module's _parameters/_buffers dict, attribute)``."""
     slots = []
@@ -139,8 +166,8 @@ class Workload:
         raw = self.x[rows]
         views = [view_transform(self.transform, v)(raw, params) for v, params in enumerate(aug)]
         x = views[0] if len(views) == 1 else torch.stack(views)
-        if self.autocast is not None and x.device.type == "cpu" and x.dim() == 4:
-            x = x.contiguous(memory_format=torch.channels_last)
+        if self.autocast is not None:
+            x = bf16_layout(x)
         return Batch(x, self.y[rows])
 
 

@@ -48,7 +48,7 @@ from ..models.base import ModelOutput
 from .checkpoint import load_safe, save_atomic
 from .client_store import ClientStore
 from .comm import add_bytes, payload_bytes
-from .executor import FunctionalNet, Job, PhaseRun, SequentialExecutor, Workload
+from .executor import AutocastNet, FunctionalNet, Job, PhaseRun, SequentialExecutor, Workload
 from .optim import make_optimizer
 from .parallel import ParallelExecutor
 from .plan import ClientPlan, make_plan
@@ -72,7 +72,7 @@ class Context:
         self.round = round
         self.num_samples = len(sim.rows[cid])
         self.label_counts = sim.label_counts[cid]
-        self.net = sim.net
+        self.net = sim.client_net
 
     def initial_state(self) -> StateDict:
         return self._sim.initial_state(self.cid)
@@ -169,6 +169,9 @@ class Simulation:
         self.train = setup.data.train.to(self.device)
         self.test = setup.data.test.to(self.device)
         self.net = FunctionalNet(setup.model.to(self.device))
+        self.autocast = torch.bfloat16 if cfg.precision == "bf16" else None
+        self.client_net = self.net if self.autocast is None else AutocastNet(self.net, self.autocast)
+        """The forward algorithms get for their own computations (:attr:`Context.net`), in the run's precision."""
         self.rows = [np.asarray(r) for r in setup.partition.train]
         self.rows_t = [torch.as_tensor(r, dtype=torch.long, device=self.device) for r in self.rows]
         labels = setup.data.train.y.numpy()
@@ -350,7 +353,7 @@ class Simulation:
             self.setup.train_transform,
             self.net,
             self.phase_runs(phases),
-            autocast=torch.bfloat16 if self.cfg.precision == "bf16" else None,
+            autocast=self.autocast,
         )
         return make_executor(self.executor_name, workload, self.cfg)
 

@@ -82,7 +82,7 @@ def start(settings: NodeSettings) -> Path:
     path = address(settings, os.getppid())
     with open(path.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if _connect(path) is None and _starting(path) is None:
+        if not _listening(path) and _starting(path) is None:
             sweep(path.parent, keep=path)
             _spawn(path, settings, os.getppid())
     return path
@@ -101,9 +101,7 @@ def sweep(folder: Path, keep: Path) -> None:
                 fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 continue
-            live = _connect(sock)
-            if live is not None:
-                live.close()
+            if _listening(sock):
                 continue
             for leftover in (sock, lock_file.with_suffix(".pid"), lock_file):
                 leftover.unlink(missing_ok=True)
@@ -157,6 +155,14 @@ def _connect(path: Path) -> socket.socket | None:
     except (FileNotFoundError, ConnectionRefusedError):
         sock.close()
         return None
+
+
+def _listening(path: Path) -> bool:
+    """Whether a worker listens on ``path`` (the probe's connection is closed at once)."""
+    sock = _connect(path)
+    if sock is not None:
+        sock.close()
+    return sock is not None
 
 
 def _starting(path: Path) -> int | None:
