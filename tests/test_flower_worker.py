@@ -75,6 +75,7 @@ class KillingGrid(StandInGrid):
         return super().push_messages(messages)
 
 
+@pytest.mark.slow  # real worker processes, killed and started again (about 14 s)
 def test_workers_answer_as_the_clientapp_does_and_a_killed_one_is_replaced(tmp_path, worker_dir):
     """3 rounds of SCAFFOLD (a client state in every round) through the SuperNodes'
     workers give the simulator's metrics bit for bit; each node's worker serves all

@@ -74,6 +74,10 @@ def test_bf16_local_training_runs_under_autocast_reproducibly(tmp_path, monkeypa
     assert [r["train_loss"] for r in bf16] != [r["train_loss"] for r in fp32]
     assert bf16[0]["train_loss"] == pytest.approx(fp32[0]["train_loss"], rel=0.02)
 
+    base[base.index("executor=sequential")] = "executor=vectorized"  # the batched executor under bf16 too
+    vectorized = history("bf16")
+    assert vectorized[0]["train_loss"] == pytest.approx(bf16[0]["train_loss"], rel=0.02)
+
 
 def test_the_algorithms_own_forward_runs_in_the_runs_precision(tmp_path, monkeypatch):
     """Context.net (FedALA's adaptive aggregation, Per-FedAvg's adaptation) is the plain
