@@ -130,9 +130,14 @@ def test_progress_prints_rejected_and_lost_clients_with_their_reasons():
     row = {
         "round": 2, "train_loss": 0.5,
         "rejected": [{"client": 1, "reason": "'w' has non-finite values (1 NaN, 0 infinite)"}],
-        "lost": [{"client": 3, "reason": "no reply within 30s"}],
+        "lost": [{"client": 3, "reason": "no reply within 30s"}, {"client": 4, "reason": "dropped out (client_dropout=0.5)"},
+                 {"client": 6, "reason": "dropped out (client_dropout=0.5)"}],
     }
     Progress(4, out).round_done(row)
     lines = out.getvalue().splitlines()
     assert lines[0].startswith("round 2/4") and "loss 0.5000" in lines[0]
-    assert lines[1:] == ["  client 1's update rejected: 'w' has non-finite values (1 NaN, 0 infinite)", "  client 3 lost: no reply within 30s"]
+    assert lines[1:] == [
+        "  client 1's update rejected: 'w' has non-finite values (1 NaN, 0 infinite)",
+        "  client 3 lost: no reply within 30s",
+        "  clients 4, 6 lost: dropped out (client_dropout=0.5)",
+    ]

@@ -91,6 +91,10 @@ class Config:
     pool: bool = P.param(False, None, "pool the official train and test sets before partitioning (PFLlib); needs test_fraction > 0")
     normalize: str = P.param("dataset", P.OneOf(("dataset", "half", "none")), "input normalisation: the dataset's channel mean/std, 0.5/0.5 (PFLlib) or none (pixels in [0, 1], FedU2)")
     sample_fraction: float = P.param(1.0, P.Interval(0, 1, "right"), "fraction of clients sampled per round")
+    client_dropout: float = P.param(
+        0.0, P.Interval(0, 1, "left"),
+        "probability that a sampled client does not reply in a round (drawn from the seed): it trains nothing, keeps its state, and is recorded as lost",
+    )
     rounds: int | None = P.param(None, P.Interval(1, None), "communication rounds (auto: the dataset's)")
     local_epochs: int | None = P.param(None, P.Interval(1, None), "local epochs per round (auto: the dataset's)")
     batch_size: int | None = P.param(None, P.Interval(1, None), "local batch size (auto: the dataset's)")
@@ -170,6 +174,7 @@ NEUTRAL_VALUES: dict[str, Any] = {
     "model.projection_bias": True,
     "model.projection_out_bn": False,
     "algorithm.missing_label": "keep",
+    "client_dropout": 0.0,
 }
 
 

@@ -94,8 +94,12 @@ class Progress:
         self.stream.write(("\r" if self.live else "") + "  ".join(parts) + "\n")
         for item in row.get("rejected", []):
             self.stream.write(f"{self.prefix}  client {item['client']}'s update rejected: {item['reason']}\n")
+        by_reason: dict[str, list[int]] = {}
         for item in row.get("lost", []):
-            self.stream.write(f"{self.prefix}  client {item['client']} lost: {item['reason']}\n")
+            by_reason.setdefault(item["reason"], []).append(item["client"])
+        for reason, cids in by_reason.items():  # one line per reason (client_dropout loses many)
+            who = f"client {cids[0]}" if len(cids) == 1 else f"clients {', '.join(map(str, cids))}"
+            self.stream.write(f"{self.prefix}  {who} lost: {reason}\n")
         self.stream.flush()
 
     def suffix(self) -> str:

@@ -392,6 +392,16 @@ class Simulation:
             loss = float(result.stats["loss"]) if "loss" in result.stats else None
             yield ClientOutcome(job.cid, reply, loss, result.steps, parts=loss_parts(result.stats))
 
+    def dropped_out(self, t: int, sampled: list[int]) -> set[int]:
+        """The clients of round ``t``'s sample that do not reply (``client_dropout``):
+        each with that probability, independently, from a stream of (seed, round) alone,
+        so the same clients drop out whatever the executor, the transport or a resume."""
+        p = self.cfg.client_dropout
+        if not p or not sampled:
+            return set()
+        draws = torch.rand(len(sampled), generator=generator(self.cfg.seed, "dropout", t))
+        return {cid for cid, u in zip(sampled, draws.tolist()) if u < p}
+
     def run_round(self, t: int) -> dict[str, Any]:
         cfg, algo = self.cfg, self.algorithm
         sampled = self.schedule[t]
@@ -416,8 +426,12 @@ class Simulation:
         steps = 0
         up: dict[str, int] = {}
         broadcast_spec = None
+        dropped = self.dropped_out(t, sampled)
+        for cid in dropped:
+            lost[cid] = f"dropped out (client_dropout={cfg.client_dropout:g})"
+        replying = [cid for cid in sampled if cid not in dropped]
         train = self.transport.train if self.transport is not None else self.train_locally
-        for done, outcome in enumerate(train(t, sampled, message_for, phases), start=1):
+        for done, outcome in enumerate(train(t, replying, message_for, phases), start=1):
             stop_point()  # a stop requested while the last client trained
             cid = outcome.cid
             if outcome.reply is None:
@@ -440,7 +454,7 @@ class Simulation:
             parts[cid] = outcome.parts
             steps += outcome.steps
             if self.progress is not None:
-                self.progress.clients(t + 1, done, len(sampled))
+                self.progress.clients(t + 1, done, len(replying))
         replies.sort(key=lambda r: r.cid)
         for cid, reason in norm_outliers(replies, broadcast, cfg.update_outlier_factor, own_messages).items():
             rejected[cid] = self.reject(cid, reason, t)
