@@ -1,9 +1,9 @@
 """Milliseconds per local step in fp32 and under bfloat16 autocast on this CPU, and the
 ratio, measured in the same run: what ``precision=bf16`` (or ``auto``) buys.
 
-A step is contrafl's model with FedAvg's or MOON's loss (mu=5, temperature 0.5, one
-previous model) in a plain PyTorch loop on a batch of 64 random CIFAR-shaped images
-already in memory, SGD with momentum, one intra-op thread (what each worker of the
+A step is ``throughput.plain_step``: contrafl's model with FedAvg's or MOON's loss (mu=5,
+temperature 0.5, one previous model) in a plain PyTorch loop on a batch of 64 random
+CIFAR-shaped images already in memory, MOON's SGD, one intra-op thread (what each worker of the
 parallel executor has). Each cell is the best of ``--repeats`` timings of ``--steps``
 steps after 10 warm-up steps. The batch goes in as it comes (NCHW) and channels-last,
 the layout contrafl gives the image batches under bf16 on a CPU. It prints the CPU's
@@ -23,42 +23,22 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-from torch.nn import functional as F  # noqa: E402
 
 from _common import machine  # noqa: E402
+from throughput import plain_step  # noqa: E402
 
 
 def step_ms(model_name: str, algorithm: str, bf16: bool, channels_last: bool, steps: int) -> float:
-    from contrafl.algorithms.moon import model_contrastive_loss
-    from contrafl.models.registry import build_model
-
-    def build(frozen: bool):
-        return build_model(model_name, (3, 32, 32), 10).train(not frozen).requires_grad_(not frozen)
-
     torch.manual_seed(0)
     x, y = torch.randn(64, 3, 32, 32), torch.randint(0, 10, (64,))
     if channels_last:
         x = x.contiguous(memory_format=torch.channels_last)
-    net, global_net, prev_net = build(False), build(True), build(True)
-    optimizer = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
-
-    def step() -> None:
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            out = net(x)
-            loss = F.cross_entropy(out.logits, y)
-            if algorithm == "moon":
-                with torch.no_grad():
-                    z_glob, z_prev = global_net(x).z, prev_net(x).z
-                loss = loss + 5.0 * model_contrastive_loss(out.z, z_glob, [z_prev], 0.5)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-
+    step = plain_step(algorithm, model_name, bf16)
     for _ in range(10):
-        step()
+        step(x, y)
     began = time.perf_counter()
     for _ in range(steps):
-        step()
+        step(x, y)
     return (time.perf_counter() - began) / steps * 1000
 
 

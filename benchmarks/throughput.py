@@ -107,35 +107,47 @@ def reference_arith(algo: str):
     return lambda k: ref.arithmetic_only(algo, k, global_state, prev_state)
 
 
-def torch_loop(algo: str):
-    """``work(k)``: k local steps of contrafl's MOON CNN with FedAvg's or MOON's loss
-    (mu=5, temperature 0.5, one previous model), plain autograd and ``torch.optim.SGD``
-    (MOON's lr 0.01, momentum 0.9, weight decay 1e-5) on batches in memory."""
-    import reference_loop as ref
+def plain_step(algo: str, model_name: str = "moon_cnn", bf16: bool = False):
+    """``step(x, y)``: one local step of contrafl's ``model_name`` with FedAvg's or
+    MOON's loss (mu=5, temperature 0.5, one previous model), plain autograd and
+    ``torch.optim.SGD`` (MOON's lr 0.01, momentum 0.9, weight decay 1e-5); ``bf16``:
+    the forward passes and the loss under CPU bfloat16 autocast."""
     from torch.nn import functional as F
 
     from contrafl.algorithms.moon import model_contrastive_loss
     from contrafl.models.registry import build_model
 
     def build(frozen: bool):
-        model = build_model("moon_cnn", (3, 32, 32), 10).train(not frozen)
+        model = build_model(model_name, (3, 32, 32), 10).train(not frozen)
         return model.requires_grad_(not frozen)
 
-    def work(k: int) -> None:
-        pool = ref.batch_pool()
-        net, global_net, prev_net = build(False), build(True), build(True)
-        optimizer = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9, weight_decay=1e-5)
-        for step in range(k):
-            x, y = pool[step % len(pool)]
+    net, global_net, prev_net = build(False), build(True), build(True)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9, weight_decay=1e-5)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             out = net(x)
             loss = F.cross_entropy(out.logits, y)
             if algo == "moon":
                 with torch.no_grad():
                     z_glob, z_prev = global_net(x).z, prev_net(x).z
                 loss = loss + 5.0 * model_contrastive_loss(out.z, z_glob, [z_prev], 0.5)
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+    return step
+
+
+def torch_loop(algo: str):
+    """``work(k)``: k :func:`plain_step` s of contrafl's MOON CNN on batches in memory."""
+    import reference_loop as ref
+
+    def work(k: int) -> None:
+        pool = ref.batch_pool()
+        step = plain_step(algo)
+        for i in range(k):
+            step(*pool[i % len(pool)])
 
     return work
 
