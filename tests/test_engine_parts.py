@@ -5,7 +5,7 @@ import torch
 
 from contrafl.engine.client_store import ClientStore, state_bytes
 from contrafl.engine.plan import make_plan
-from contrafl.engine.rng import derive_seed, generator
+from contrafl.rng import derive_seed, generator
 from contrafl.engine.sampling import sample_schedule
 
 

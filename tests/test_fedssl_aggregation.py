@@ -21,7 +21,7 @@ from contrafl.data.augment import eval_transform
 from contrafl.engine.executor import FunctionalNet, Job, SequentialExecutor, Workload
 from contrafl.engine.optim import SGD
 from contrafl.engine.plan import make_plan
-from contrafl.engine.rng import generator
+from contrafl.rng import generator
 from contrafl.engine.vectorized import VectorizedExecutor
 from contrafl.models.base import FedModel, Heads
 

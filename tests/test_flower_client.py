@@ -20,16 +20,16 @@ import torch
 from torch.utils import _pytree as pytree
 
 from contrafl.algorithms import ALGORITHMS
-from contrafl.algorithms.base import Reply
 from contrafl.cli import main
 from contrafl.config import load_config
 from contrafl.data.partition import Partition
 from contrafl.engine.run_dir import RunDir
 from contrafl.engine.setup import own_rows, prepare
-from contrafl.engine.simulation import ClientOutcome, Simulation, resume
+from contrafl.engine.simulation import Simulation, resume
 from contrafl.errors import DataError
 from contrafl.flower.client import FlowerClient
 from contrafl.flower.deploy import prepare_run, simulator_threads
+from contrafl.flower.server import outcome_of
 from conftest import strict_json
 from test_orchestra import tiny_cifar
 
@@ -58,8 +58,7 @@ class FreshClients:
     def train(self, t, cids, message_for, phases):
         for cid in cids:
             message = pytree.tree_map_only(torch.Tensor, torch.clone, message_for(cid))
-            tree = self.client(cid).train(t, message, self.sim.checkpointed)
-            yield ClientOutcome(cid, Reply(cid, tree["num_samples"], tree["payload"]), tree["loss"], tree["steps"], parts=tree["parts"])
+            yield outcome_of(cid, self.client(cid).train(t, message, self.sim.checkpointed))
         if t == self.crash_in:
             raise KeyboardInterrupt
 
@@ -99,6 +98,10 @@ def flower_run(path: Path, cfg, reuse: bool = False) -> Simulation:
         ("fedcrl", ["pool=true", "test_fraction=0.25"]),  # personal layers; local test splits
         ("moon", ["sample_fraction=0.67", "eval_personal=true"]),  # previous models; unsampled rounds
         ("scaffold", ["persist_optimizer_state=true", "momentum=0.9", "checkpoint_every=3"]),
+        ("scaffold", ["client_speed=lognormal:1", "speed_jitter=0.5", "round_deadline=25"]),  # late clients dropped
+        ("fedprox", ["client_speed=slow:0.5,4", "round_deadline=25", "stragglers=partial"]),  # partial work
+        ("fedavg", ["dp=local", "dp.clip=0.5", "dp.noise_multiplier=0.05", "sample_fraction=0.67"]),  # clients add noise
+        ("scaffold", ["dp=central", "dp.clip=0.5", "dp.noise_multiplier=0.05"]),  # the server adds noise
     ],
 )
 def test_fresh_client_processes_give_the_simulators_run(tmp_path, algorithm, extra):
@@ -106,9 +109,12 @@ def test_fresh_client_processes_give_the_simulators_run(tmp_path, algorithm, ext
     expected = simulator(tmp_path, cfg)
     flower_run(tmp_path / "flower", cfg)
     assert metrics(tmp_path / "flower") == expected
-    assert any("personal_acc" in row for row in expected) == (algorithm != "scaffold")
+    assert any("personal_acc" in row for row in expected) == (algorithm not in ("scaffold", "fedprox", "fedavg"))
+    assert all(("dp_epsilon" in row) == any(e.startswith("dp=") for e in extra) for row in expected)
+    if "round_deadline=25" in extra:
+        assert any("stragglers" in row for row in expected)
     states = sorted(p.relative_to(tmp_path / "flower" / "flower-clients").as_posix() for p in (tmp_path / "flower" / "flower-clients").rglob("*.pt"))
-    if algorithm == "scaffold":  # checkpoint after round 3: each client keeps its state of round 3 and its newest
+    if "checkpoint_every=3" in extra:  # checkpoint after round 3: each client keeps its state of round 3 and its newest
         assert states == [f"client-{c}/round-{r}.pt" for c in range(CLIENTS) for r in (3, 4)]
 
 
@@ -211,8 +217,9 @@ def test_deploy_prepare_only_writes_the_run_directory_and_prints_the_commands(tm
     port and the torch threads of `contrafl run`'s clients (tests/test_flower_deploy.py
     runs them)."""
     run = tmp_path / "run"
-    assert main(["deploy", "--prepare-only", "--round-timeout", "90", "--out", str(run), "algorithm=moon", "num_clients=3"]) == 0
+    assert main(["deploy", "--prepare-only", "--insecure", "--round-timeout", "90", "--out", str(run), "algorithm=moon", "num_clients=3"]) == 0
     out = capsys.readouterr().out
+    assert "register" not in out and not (run / "flower").exists()
     assert "each client K = 0..2" in out and f"--run-config {run.resolve()}/flower-run.toml" in out
     assert "flower-superlink --insecure --disable-runtime-dependency-installation --host 0.0.0.0 --port 8000" in out
     threads = simulator_threads(load_config(run / "config.yaml"))
@@ -220,6 +227,26 @@ def test_deploy_prepare_only_writes_the_run_directory_and_prints_the_commands(tm
     rc = tomllib.loads((run / "flower-run.toml").read_text())
     assert rc == {"run-dir": str(run.resolve()), "round-timeout": 90.0, "min-replies": 1, "wait-nodes": 120.0}
     assert Partition.load(run / "partition.json").to_json() == prepare(load_config(run / "config.yaml")).partition.to_json()
+
+
+def test_deploy_prepare_only_secures_several_machines_by_default(tmp_path, capsys):
+    """Without --insecure, --prepare-only serves the SuperLink over TLS with SuperNode
+    authentication: a key pair per client (the private key readable by its owner only),
+    the SuperLink's --enable-supernode-auth, one `flwr supernode register` per client's
+    public key, and each SuperNode's private key. --no-auth keeps TLS alone."""
+    run = tmp_path / "run"
+    assert main(["deploy", "--prepare-only", "--server-host", "10.0.0.5", "--out", str(run), "num_clients=2"]) == 0
+    out = capsys.readouterr().out
+    keys = run.resolve() / "flower" / "keys"
+    assert sorted(p.name for p in keys.iterdir()) == ["node-0", "node-0.pub", "node-1", "node-1.pub"]
+    assert (keys / "node-0").stat().st_mode & 0o777 == 0o600
+    assert (keys / "node-1.pub").read_text().startswith("ecdsa-sha2-nistp384 ")
+    assert "--ssl-keyfile" in out and " --enable-supernode-auth " in out
+    assert f"flwr supernode register {keys}/node-K.pub CONNECTION" in out
+    assert "flower-supernode --root-certificates RUN_DIR/flower/certs/ca.crt --auth-supernode-private-key RUN_DIR/flower/keys/node-K --superlink 10.0.0.5:8000" in out
+    assert main(["deploy", "--prepare-only", "--no-auth", "--server-host", "10.0.0.5", "--out", str(tmp_path / "tls"), "num_clients=2"]) == 0
+    out = capsys.readouterr().out
+    assert "--ssl-keyfile" in out and "--enable-supernode-auth" not in out and "register" not in out and not (tmp_path / "tls" / "flower" / "keys").exists()
 
 
 def test_deploy_resume_needs_a_run_directory_alone(tmp_path, capsys):
@@ -242,6 +269,8 @@ def test_deploy_checks_its_options_before_starting_anything(tmp_path, capsys):
     assert "round_timeout=0 must be positive" in refused("--round-timeout", "0", "--out", str(tmp_path / "run"))
     assert "--server-host is for --prepare-only" in refused("--server-host", "10.0.0.5", "--out", str(tmp_path / "run"))
     assert "give the names or addresses the SuperNodes dial with --server-host" in refused("--prepare-only", "--tls", "--out", str(tmp_path / "run"))
+    assert "or --insecure on a network you trust" in refused("--prepare-only", "--out", str(tmp_path / "run"))
+    assert "--auth needs TLS" in refused("--prepare-only", "--insecure", "--auth", "--out", str(tmp_path / "run"))
     assert "server host 'a b' is neither an IP address nor a DNS name" in refused("--prepare-only", "--server-host", "a b", "--out", str(tmp_path / "run"))
     assert not (tmp_path / "run").exists()
     (tmp_path / "used").mkdir()

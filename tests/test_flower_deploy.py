@@ -25,6 +25,7 @@ pytestmark = pytest.mark.slow  # real SuperLink and SuperNode processes
 
 from contrafl.cli import main  # noqa: E402
 from contrafl.config import load_config  # noqa: E402
+from contrafl.flower.auth import make_node_key  # noqa: E402
 from contrafl.flower.deploy import APP_DIR, prepare_run, run_config, shared_cores  # noqa: E402
 from contrafl.flower.launch import LocalDeployment, _Process, _terminate, free_port  # noqa: E402
 from conftest import torch_threads  # noqa: E402
@@ -39,6 +40,8 @@ RUNS = {
     "scaffold": [],
     "moon": [],
     "fedcrl": ["pool=true", "test_fraction=0.25", "eval_personal=true"],  # evaluate messages
+    # a straggler cut short, one dropped at the deadline (its reply says so), local DP noise
+    "fedprox": ["client_speed=slow:0.34,100", "round_deadline=20", "stragglers=partial", "dp=local", "dp.clip=0.5", "dp.noise_multiplier=0.05"],
 }
 
 
@@ -56,6 +59,8 @@ def test_deployment_equals_the_simulator(tmp_path, deployment, algorithm):
     assert main(["run", "--quiet", "--out", str(tmp_path / "sim"), *settings]) == 0
     rows = [[json.loads(x) for x in (tmp_path / r / "metrics.jsonl").read_text().splitlines()] for r in ("sim", "flower-run")]
     assert len(rows[0]) == 2 and rows[0] == rows[1]
+    if algorithm == "fedprox":
+        assert {c["done"] > 0 for c in rows[0][0]["stragglers"]} == {True, False} and "dp_epsilon" in rows[0][0]
     models = [torch.load(tmp_path / r / "checkpoint.pt", weights_only=False)["server"] for r in ("sim", "flower-run")]
     for k, v in models[0]["model"].items():
         assert torch.equal(v, models[1]["model"][k]), k
@@ -64,11 +69,15 @@ def test_deployment_equals_the_simulator(tmp_path, deployment, algorithm):
 
 
 def test_contrafl_deploy_with_tls_equals_the_simulator(tmp_path, capsys):
-    """`contrafl deploy --tls`: its own SuperLink (certificates generated for the run) and
-    SuperNodes, the run directory of `contrafl run`, the simulator's metrics."""
+    """`contrafl deploy --auth`: its own SuperLink over TLS (certificates generated for the
+    run) with SuperNode authentication (a key registered per SuperNode) and SuperNodes,
+    the run directory of `contrafl run`, the simulator's metrics."""
     settings = ["algorithm=moon", "num_clients=2", "rounds=1", "local_epochs=1", "executor=sequential", "eval_personal=false"]
-    assert main(["deploy", "--tls", "--round-timeout", "120", "--out", str(tmp_path / "flower-run"), *settings]) == 0
+    assert main(["deploy", "--auth", "--round-timeout", "120", "--out", str(tmp_path / "flower-run"), *settings]) == 0
     out = capsys.readouterr().out
+    assert "(TLS, SuperNode authentication)" in out
+    assert sorted(p.name for p in (tmp_path / "flower-run" / "flower" / "keys").iterdir()) == ["node-0", "node-0.pub", "node-1", "node-1.pub"]
+    assert "SuperNode authentication is disabled" not in (tmp_path / "flower-run" / "flower" / "logs" / "superlink.log").read_text()
     assert "round 1/1  |####################|  loss" in out and "finished:completed" in out  # the server's progress, as it comes
     assert (tmp_path / "flower-run" / "flower" / "certs").is_dir()
     states = sorted(p.relative_to(tmp_path / "flower-run" / "flower-clients").as_posix() for p in (tmp_path / "flower-run" / "flower-clients").rglob("*"))
@@ -80,7 +89,7 @@ def test_contrafl_deploy_with_tls_equals_the_simulator(tmp_path, capsys):
 
 def test_the_several_machines_commands_give_contrafl_runs_metrics_and_report_what_does_not_fit(tmp_path, capsys):
     """docs/flower.md's several machines, followed as written on one machine: the
-    commands `contrafl deploy --prepare-only --tls --server-host 127.0.0.2` prints, a
+    commands `contrafl deploy --prepare-only --server-host 127.0.0.2` prints, a
     folder per machine (the SuperLink's with the run directory; each SuperNode's with its
     FLWR_HOME and its copy of config.yaml, partition.json and the CA certificate), the
     flwr CLI's config.toml as the docs say. The certificate names 127.0.0.2, which the
@@ -88,15 +97,21 @@ def test_the_several_machines_commands_give_contrafl_runs_metrics_and_report_wha
     ends with the metrics of `contrafl run` of the same settings, bit for bit (FedU2's
     depend on the clients' torch threads, which the commands set).
 
-    Beside the 3 SuperNodes: one that dials 127.0.0.3 (not in the certificate: a TLS
-    error in its log, and it exits), one with partition-id=7 and one whose run-dir has no
-    run files. These two say why in one line in their logs and the server's, and are not
-    used."""
+    SuperNode authentication is on (the default for several machines): the flwr CLI
+    registers the clients' public keys as printed, and each SuperNode gets its private
+    key. Beside the 3 SuperNodes: one whose key is not registered (refused: it cannot
+    activate, exits with flwr's code 305, and the run goes on without it), one that dials
+    127.0.0.3 (not in the certificate: a TLS error in its log, and it exits), one with
+    partition-id=7 and one whose run-dir has no run files (their operators registered
+    their own keys). These two say why in one line in their logs and the server's, and
+    are not used."""
     settings = ["algorithm=fedu2", "num_clients=3", "rounds=1", "local_epochs=1", "eval_personal=false", *SSL]
     run = tmp_path / "server" / "run"
-    assert main(["deploy", "--prepare-only", "--tls", "--server-host", "127.0.0.2", "--out", str(run), *settings]) == 0
+    assert main(["deploy", "--prepare-only", "--server-host", "127.0.0.2", "--out", str(run), *settings]) == 0
     printed = [line.strip() for line in capsys.readouterr().out.splitlines()]
-    superlink, supernode, flwr_run = (next(x for x in printed if x.startswith(start)) for start in ("flower-superlink", "FLWR_HOME=", "flwr run"))
+    superlink, register, supernode, flwr_run = (
+        next(x for x in printed if x.startswith(start)) for start in ("flower-superlink", "flwr supernode register", "FLWR_HOME=", "flwr run")
+    )
     port = free_port()
     env = {**os.environ, "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]]),
            "FLWR_DISABLE_UPDATE_CHECK": "1", "FLWR_TELEMETRY_ENABLED": "0"}
@@ -109,33 +124,45 @@ def test_the_several_machines_commands_give_contrafl_runs_metrics_and_report_wha
         processes.append(process)
         return process
 
-    def node(name: str, partition: str, copy: bool = True, server: str = "127.0.0.2") -> _Process:
+    cli = {**env, "FLWR_HOME": str(tmp_path / "cli")}
+    keys = run / "flower" / "keys"
+    for name in ("node-7", "node-no-run", "node-unlisted"):  # keys their operators made (ssh-keygen's equals)
+        make_node_key(keys / name)
+
+    def node(name: str, partition: str, copy: bool = True, server: str = "127.0.0.2", key: str | None = None) -> _Process:
         machine = tmp_path / name
-        if copy:
-            for part in ("config.yaml", "partition.json", "flower/certs/ca.crt"):
-                (machine / "run" / part).parent.mkdir(parents=True, exist_ok=True)
-                shutil.copy(run / part, machine / "run" / part)
+        key = key or f"node-{partition}"
+        parts = ["flower/certs/ca.crt", f"flower/keys/{key}"] + (["config.yaml", "partition.json"] if copy else [])
+        for part in parts:
+            (machine / "run" / part).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(run / part, machine / "run" / part)
         command = (supernode.replace("NODE_HOME", str(machine / "flwr-home")).replace("RUN_DIR", str(machine / "run"))
-                   .replace("partition-id=K", f"partition-id={partition}").replace("127.0.0.2:8000", f"{server}:{port}")
-                   .replace("--port 9094", f"--port {free_port()}"))
-        if not copy:  # the CA certificate it needs to connect, but no run files
-            command = command.replace(str(machine / "run" / "flower"), str(tmp_path / "node-0" / "run" / "flower"))
+                   .replace("partition-id=K", f"partition-id={partition}").replace("keys/node-K", f"keys/{key}")
+                   .replace("127.0.0.2:8000", f"{server}:{port}").replace("--port 9094", f"--port {free_port()}"))
         return start(name, command, machine / "flwr-home")
 
     try:
         start("superlink", superlink.replace("--port 8000", f"--port {port}"), tmp_path / "server" / "flwr-home")
-        nodes = [node(f"node-{k}", str(k)) for k in range(3)]
-        unfit = [node("node-7", "7"), node("node-no-run", "1", copy=False)]
-        wrong_host = node("node-wrong-host", "0", server="127.0.0.3")
-        deadline = time.monotonic() + 120
-        while not all("SuperNode ID" in p.log_text() for p in nodes + unfit) or wrong_host.running():
-            assert time.monotonic() < deadline, "the SuperNodes did not start"
-            time.sleep(0.2)
         (tmp_path / "cli" / "config.toml").parent.mkdir()
         (tmp_path / "cli" / "config.toml").write_text(
             f'[superlink]\ndefault = "cluster"\n[superlink.cluster]\naddress = "127.0.0.2:{port}"\n'
             f'root-certificates = "{run / "flower" / "certs" / "ca.crt"}"\n'
         )
+        deadline = time.monotonic() + 60
+        for key in ["node-0", "node-1", "node-2", "node-7", "node-no-run"]:
+            command = register.replace("node-K", key).replace("CONNECTION", "cluster")
+            while (done := subprocess.run(["bash", "-c", command], env=cli, capture_output=True, text=True, timeout=60)).returncode:
+                assert time.monotonic() < deadline, done.stdout + done.stderr  # the SuperLink may still be starting
+                time.sleep(0.5)
+        nodes = [node(f"node-{k}", str(k)) for k in range(3)]
+        unfit = [node("node-7", "7"), node("node-no-run", "1", copy=False, key="node-no-run")]
+        wrong_host = node("node-wrong-host", "0", server="127.0.0.3")
+        unlisted = node("node-unlisted", "2", key="node-unlisted")
+        deadline = time.monotonic() + 120
+        while not all("SuperNode ID" in p.log_text() for p in nodes + unfit) or wrong_host.running() or unlisted.running():
+            assert time.monotonic() < deadline, "the SuperNodes did not start"
+            time.sleep(0.2)
+        online = subprocess.run(["flwr", "supernode", "list", "cluster", "--format", "json"], env=cli, capture_output=True, text=True, timeout=60)
         server = subprocess.run(["bash", "-c", flwr_run.replace("CONNECTION", "cluster")], env={**env, "FLWR_HOME": str(tmp_path / "cli")},
                                 capture_output=True, text=True, timeout=240)
     finally:
@@ -144,6 +171,9 @@ def test_the_several_machines_commands_give_contrafl_runs_metrics_and_report_wha
     assert server.returncode == 0, log
     assert json.loads((run / "summary.json").read_text())["status"] == "completed", log
     assert "certificate is not valid for '127.0.0.3'" in wrong_host.log_text()
+    assert "Failed to activate SuperNode" in unlisted.log_text() and "Exit Code: 305" in unlisted.log_text()
+    listed = json.loads(online.stdout[online.stdout.index("{"):])["nodes"]
+    assert len(listed) == 5 and all(n["status"] == "online" for n in listed)  # the 5 registered keys, not the unlisted one
     problems = [
         ("7", "node config partition-id=7 is not a client of the run (0..2); restart the SuperNode with the partition-id of the client it serves"),
         ("1", f"node config run-dir='{tmp_path / 'node-no-run' / 'run'}': no config.yaml and no partition.json there; copy config.yaml and "

@@ -66,11 +66,14 @@ def cmd_run(ns: argparse.Namespace) -> int:
     from .engine import estimate
     from .engine.progress import Progress
     from .engine.run_dir import RunDir, default_run_dir
+    from .engine.privacy import require_accounting
     from .engine.setup import prepare
     from .engine.simulation import Simulation
 
     setup = prepare(cfg)
     cfg = setup.config
+    if cfg.dp.name != "none":
+        require_accounting()
     path = Path(ns.out) if ns.out else default_run_dir(cfg.algorithm.name, cfg.dataset.name)
     run_dir = RunDir(path)
     if not ns.quiet:
@@ -219,21 +222,33 @@ def cmd_deploy(ns: argparse.Namespace) -> int:
     check_settings(cfg, ns.round_timeout, ns.min_replies)
     if not ns.supernode_poll > 0:
         raise ConfigError(f"--supernode-poll {ns.supernode_poll:g} must be a positive number of seconds (3 waits as long as Flower's own SuperNode)")
+    tls, auth = deploy_security(ns)
     if ns.prepare_only:
-        check_hosts(ns.server_host or (), ns.tls)
+        check_hosts(ns.server_host or (), tls)
         cfg = prepare_run(cfg, path)
-        print(commands(path, cfg, ns.round_timeout, ns.min_replies, server_hosts=ns.server_host or (), tls=ns.tls))
+        print(commands(path, cfg, ns.round_timeout, ns.min_replies, server_hosts=ns.server_host or (), tls=tls, auth=auth))
         return 0
     if not ns.resume:
         cfg = prepare_run(cfg, path)
     print(f"contrafl {__version__}: {cfg.algorithm.name} on a local Flower deployment of {cfg.num_clients} SuperNodes"
-          f"{' (TLS)' if ns.tls else ''}; run directory: {path}, Flower logs: {path / 'flower' / 'logs'}")
+          f"{' (TLS, SuperNode authentication)' if auth else ' (TLS)' if tls else ''}; run directory: {path}, Flower logs: {path / 'flower' / 'logs'}")
     result = deploy(
-        cfg, path, prepared=True, tls=ns.tls, round_timeout=ns.round_timeout, min_replies=ns.min_replies,
+        cfg, path, prepared=True, tls=tls, auth=auth, round_timeout=ns.round_timeout, min_replies=ns.min_replies,
         supernode_poll=ns.supernode_poll, echo=sys.stdout,
     )
     print(f"Flower run {result.run_id}: {result.status} in {result.seconds:.1f}s; results in {path}")
     return 0
+
+
+def deploy_security(ns: argparse.Namespace) -> tuple[bool, bool]:
+    """``(tls, auth)`` of ``contrafl deploy``: TLS and SuperNode authentication are on by
+    default for several machines (``--prepare-only``) and off on this one; ``--auth``
+    takes TLS with it."""
+    tls = ns.tls if ns.tls is not None else (ns.prepare_only or bool(ns.auth))
+    if ns.auth and not tls:
+        raise ConfigError("--auth needs TLS (flwr 1.41 refuses SuperNode authentication with --insecure); drop --insecure")
+    auth = ns.auth if ns.auth is not None else (ns.prepare_only and tls)
+    return tls, auth
 
 
 def cmd_list(ns: argparse.Namespace) -> int:
@@ -244,6 +259,7 @@ def cmd_list(ns: argparse.Namespace) -> int:
     from .data.registry import DATASETS
     from .models import MODELS
     from .models.registry import HeadOptions
+    from .engine.privacy import DP_MODES, DPParams
 
     what = ns.what
     def options(cls: type, prefix: str, inapplicable: dict[str, str] | None = None) -> None:
@@ -282,6 +298,11 @@ def cmd_list(ns: argparse.Namespace) -> int:
         print("augmentations (augment=NAME):")
         for name in augment.AUGMENTATIONS.names():
             print(f"  {name}")
+    if what in ("all", "dp"):
+        print("differential privacy (dp=NAME, options dp.OPTION=VALUE; docs/privacy.md):")
+        for name, summary in DP_MODES.items():
+            print(f"  {name:<12} {summary}")
+        options(DPParams, "dp")
     return 0
 
 
@@ -552,9 +573,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     dep.add_argument("args", nargs="*", metavar="[CONFIG] KEY=VALUE", help="config file and overrides")
     dep.add_argument("--out", metavar="DIR", help="run directory (default: runs/<time>-<algorithm>-<dataset>)")
-    dep.add_argument("--tls", action="store_true",
-                     help="serve the SuperLink over TLS, with certificates made in the run directory's flower/certs "
-                          "(for 127.0.0.1; with --prepare-only, for the --server-host names)")
+    security = dep.add_mutually_exclusive_group()
+    security.add_argument("--tls", action="store_true", default=None,
+                          help="serve the SuperLink over TLS, with certificates made in the run directory's flower/certs "
+                               "(for 127.0.0.1; with --prepare-only, for the --server-host names); the default with --prepare-only")
+    security.add_argument("--insecure", dest="tls", action="store_false",
+                          help="no TLS (the default on this machine; with --prepare-only, only on a network you trust)")
+    auth = dep.add_mutually_exclusive_group()
+    auth.add_argument("--auth", action="store_true", default=None,
+                      help="SuperNode authentication: only SuperNodes whose key pair the run made (flower/keys) may join; "
+                           "needs TLS; the default with --prepare-only")
+    auth.add_argument("--no-auth", dest="auth", action="store_false",
+                      help="any SuperNode that reaches the SuperLink may join (the default on this machine)")
     dep.add_argument("--round-timeout", type=float, default=600.0, metavar="S",
                      help="seconds a round waits for replies before the missing clients count as lost (default 600)")
     dep.add_argument("--min-replies", type=int, default=1, metavar="N",
@@ -574,7 +604,7 @@ def build_parser() -> argparse.ArgumentParser:
     lst = sub.add_parser("list", help="list algorithms, datasets, partitions, models, augmentations",
                          description="List what can be chosen, with options and defaults.")
     lst.add_argument("what", nargs="?", default="all",
-                     choices=["all", "algorithms", "datasets", "partitions", "models", "augmentations"])
+                     choices=["all", "algorithms", "datasets", "partitions", "models", "augmentations", "dp"])
     lst.set_defaults(func=cmd_list)
 
     data = sub.add_parser("data", help="dataset files", description="Manage dataset files.")

@@ -1,7 +1,8 @@
 """Run configuration: YAML files, ``key=value`` overrides, validation and ``auto`` values.
 
-A configuration is a flat set of settings plus four *components*: ``dataset``,
-``partition``, ``model`` and ``algorithm``. A component is written either as a name
+A configuration is a flat set of settings plus five *components*: ``dataset``,
+``partition``, ``model``, ``algorithm`` and ``dp`` (differential privacy: ``none``,
+``central`` or ``local``, :mod:`contrafl.engine.privacy`). A component is written either as a name
 (``algorithm: moon``) or as a mapping with a ``name`` and the component's own options
 (``algorithm: {name: moon, mu: 5}``). On the command line ``algorithm=moon`` sets the name
 and ``algorithm.mu=5`` an option; changing a component's name drops options given for
@@ -26,8 +27,9 @@ import yaml
 
 from . import params as P
 from .errors import ConfigError
+from .speeds import SpeedSpec
 
-COMPONENTS = ("dataset", "partition", "model", "algorithm")
+COMPONENTS = ("dataset", "partition", "model", "algorithm", "dp")
 
 
 @dataclass(frozen=True)
@@ -81,6 +83,7 @@ class Config:
     partition: Component = field(default_factory=lambda: Component("dirichlet"))
     model: Component = field(default_factory=lambda: Component("auto"))
     algorithm: Component = field(default_factory=lambda: Component("fedavg"))
+    dp: Component = field(default_factory=lambda: Component("none"))
 
     seed: int = P.param(0, P.Interval(0, 2**63 - 1), "seed of every random stream of the run")
     data_dir: str | None = P.param(None, None, "directory of the dataset files")
@@ -94,6 +97,22 @@ class Config:
     client_dropout: float = P.param(
         0.0, P.Interval(0, 1, "left"),
         "probability that a sampled client does not reply in a round (drawn from the seed): it trains nothing, keeps its state, and is recorded as lost",
+    )
+    client_speed: str = P.param(
+        "constant", SpeedSpec(),
+        "speed distribution of the clients (local steps per unit of simulated time), drawn once per client from the seed: constant, lognormal:SIGMA, uniform:LOW,HIGH or slow:FRACTION,FACTOR (docs/unreliable.md)",
+    )
+    speed_jitter: float = P.param(
+        0.0, _nonneg,
+        "round-to-round variation of each client's speed: in round t client i runs at s_i * exp(speed_jitter * z), z ~ N(0, 1) drawn from the seed; 0 = the same speed every round",
+    )
+    round_deadline: float | None = P.param(
+        None, _pos,
+        "simulated time a round waits for replies, in local steps of a speed-1 client; a client whose planned steps take longer is a straggler (see stragglers); none = no deadline",
+    )
+    stragglers: str = P.param(
+        "drop", P.OneOf(("drop", "partial")),
+        "what becomes of a client that misses round_deadline: drop (its reply never counts, it keeps its state) or partial (it replies with the steps it finished, for algorithms that accept partial work: FedProx)",
     )
     rounds: int | None = P.param(None, P.Interval(1, None), "communication rounds (auto: the dataset's)")
     local_epochs: int | None = P.param(None, P.Interval(1, None), "local epochs per round (auto: the dataset's)")
@@ -175,6 +194,11 @@ NEUTRAL_VALUES: dict[str, Any] = {
     "model.projection_out_bn": False,
     "algorithm.missing_label": "keep",
     "client_dropout": 0.0,
+    "client_speed": "constant",
+    "speed_jitter": 0.0,
+    "round_deadline": None,
+    "stragglers": "drop",
+    "dp": "none",
 }
 
 

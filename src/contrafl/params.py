@@ -235,10 +235,12 @@ def build(cls: type, values: Mapping[str, Any] | None, where: str) -> Any:
                 f"{key(name)}={value!r} is invalid: expected {exc}; set it with {key(name)}=VALUE"
             ) from None
         check = f.metadata.get("check")
-        if isinstance(check, OneOf):
+        if hasattr(check, "canonical"):  # OneOf, or a constraint with its own canonical form
             converted = check.canonical(converted)
         if check is not None and converted is not None and not check(converted):
             close = suggest(str(value), [str(c) for c in check.choices]) if isinstance(check, OneOf) else ""
+            if hasattr(check, "why"):  # a constraint that can say what is wrong with the value
+                close = f" ({check.why(converted)})"
             raise ConfigError(
                 f"{key(name)}={value!r} is invalid: expected {check}{close}; set it with {key(name)}=VALUE"
             )

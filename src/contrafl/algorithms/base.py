@@ -320,6 +320,9 @@ class Algorithm:
         views: number of augmented views of each sample the loss needs.
         samples_clients: the round trains the clients sampled by ``sample_fraction``;
             False trains every client every round (SOLO, which communicates nothing).
+        partial_work: a reply from fewer local steps than the client planned is a valid
+            update, so a straggler may send the work it finished by the round's
+            deadline (``stragglers=partial``; FedProx's gamma-inexact local solutions).
     """
 
     name: ClassVar[str] = ""
@@ -333,10 +336,21 @@ class Algorithm:
     default_server_momentum: ClassVar[float] = 0.0
     views: ClassVar[int] = 1
     samples_clients: ClassVar[bool] = True
+    partial_work: ClassVar[bool] = False
 
     def __init__(self, params: Any, federation: Federation) -> None:
         self.params = params
         self.federation = federation
+
+    @classmethod
+    def individual_updates(cls, params: Any) -> str | None:
+        """Why the server needs each client's update on its own, or None when
+        :meth:`aggregate`, with every reply weighing one sample, is an affine function of
+        the sum of the replies' payloads (a mean or a sum over them, as FedAvg's and
+        SCAFFOLD's are): then clipped updates plus one Gaussian draw are the Gaussian
+        mechanism on that sum (``dp=central``), and the sum alone suffices (secure
+        aggregation). The reason names what the server computes from single updates."""
+        return None
 
     @classmethod
     def inapplicable(cls, params: Any) -> dict[str, str]:

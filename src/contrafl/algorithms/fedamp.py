@@ -165,6 +165,10 @@ class FedAMP(Algorithm):
             return {"model": spec_of(self.federation.split(message["init"])[0])}
         return {"model": self._param_spec}
 
+    @classmethod
+    def individual_updates(cls, params: Any) -> str | None:
+        return "FedAMP's server keeps every client's model to build each one's attention-weighted cloud model"
+
     def aggregate(self, server: ServerState, replies: list[Reply], round: int) -> ServerState:
         models = dict(server.extras.get("models", {}))
         for r in replies:

@@ -117,6 +117,10 @@ class FedCRL(Algorithm):
         dtype = next(v.dtype for v in message["body"].values() if v.is_floating_point())
         return {"body": spec_of(message["body"]), "prototypes": prototype_spec(self.federation.num_classes, dtype)}
 
+    @classmethod
+    def individual_updates(cls, params: Any) -> str | None:
+        return "FedCRL's server averages each label's representation over the clients that hold the label (their counts weigh it)"
+
     def aggregate(self, server: ServerState, replies: list[Reply], round: int) -> ServerState:
         body = weighted_average([r.payload["body"] for r in replies], sample_weights(replies))
         previous = previous_for(server.extras, self.params.missing_label)

@@ -10,7 +10,7 @@ import torch
 from torch.nn import functional as F
 
 from .. import params as P
-from ..engine.rng import generator
+from ..rng import generator
 from .base import (
     Algorithm,
     Batch,
@@ -125,6 +125,10 @@ class FedGH(Algorithm):
     def reply_spec(self, message: dict[str, Any]) -> dict[str, Any]:
         dtype = next(v.dtype for v in message["head"].values() if v.is_floating_point())
         return {"prototypes": prototype_spec(self.federation.num_classes, dtype)}
+
+    @classmethod
+    def individual_updates(cls, params: Any) -> str | None:
+        return "FedGH's server trains the global head on every client's class prototypes"
 
     def aggregate(self, server: ServerState, replies: list[Reply], round: int) -> ServerState:
         reps, labels = prototype_pairs([r.payload["prototypes"] for r in replies])

@@ -260,6 +260,10 @@ class FedPAC(Algorithm):
             "stats": {"V": TensorSpec((), dtype), "h": TensorSpec((C, None), dtype)},
         }
 
+    @classmethod
+    def individual_updates(cls, params: Any) -> str | None:
+        return "FedPAC's server combines heads per client from each client's feature statistics"
+
     def aggregate(self, server: ServerState, replies: list[Reply], round: int) -> ServerState:
         body = weighted_average([r.payload["body"] for r in replies], sample_weights(replies))
         prototypes = aggregate_prototypes(

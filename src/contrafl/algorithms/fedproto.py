@@ -80,6 +80,10 @@ class FedProto(Algorithm):
     def reply_spec(self, message: dict[str, Any]) -> dict[str, Any]:
         return {"prototypes": prototype_spec(self.federation.num_classes, torch.float32)}
 
+    @classmethod
+    def individual_updates(cls, params: Any) -> str | None:
+        return "FedProto's server averages each label's prototype over the clients that hold the label"
+
     def aggregate(self, server: ServerState, replies: list[Reply], round: int) -> ServerState:
         previous = previous_for(server.extras, self.params.missing_label)
         protos = aggregate_prototypes([r.payload["prototypes"] for r in replies], self.params.weighting, previous)

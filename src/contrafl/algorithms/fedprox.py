@@ -35,9 +35,13 @@ class FedProx(FedAvg):
 
     over all trainable parameters ``p`` (BatchNorm statistics excluded), with ``w^t`` a
     fixed copy of the broadcast model. The server averages as FedAvg.
+
+    A client may stop before its planned steps (``stragglers=partial``): FedProx accepts
+    such gamma-inexact solutions of the local problem, where FedAvg drops stragglers.
     """
 
     name = "fedprox"
+    partial_work = True
     summary = "FedProx: CE + (mu/2) * ||w - w_glob||^2 on the local objective"
     paper = "Li, Sahu, Zaheer, Sanjabi, Talwalkar, Smith, Federated Optimization in Heterogeneous Networks, MLSys 2020"
     Params = FedProxParams

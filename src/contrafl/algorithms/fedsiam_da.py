@@ -215,6 +215,10 @@ class FedSiamDA(Algorithm):
         return PersonalModel(state["model"]) if "model" in state else None
 
     # -- server ------------------------------------------------------------------------
+    @classmethod
+    def individual_updates(cls, params: Any) -> str | None:
+        return None if params.aggregation == "fedavg" else "FedSiam-DA's server weighs each model by its cosine similarity to the others (algorithm.aggregation=fedavg averages instead)"
+
     def aggregate(self, server: ServerState, replies: list[Reply], round: int) -> ServerState:
         models = [r.payload["model"] for r in replies]
         if self.params.aggregation == "fedavg":

@@ -10,7 +10,7 @@ import torch
 from torch.nn import functional as F
 
 from .. import params as P
-from ..engine.rng import generator
+from ..rng import generator
 from .base import (
     Batch,
     ClientContext,
@@ -164,6 +164,10 @@ class FedSSC(Moon):
         dtype = next(v.dtype for v in message["model"].values() if v.is_floating_point())
         reps = {"reps": TensorSpec((None, None), dtype), "mask": TensorSpec((self.federation.num_classes,), torch.bool)}
         return {**super().reply_spec(message), "class_reps": reps}
+
+    @classmethod
+    def individual_updates(cls, params: Any) -> str | None:
+        return "FedSSC's server samples class representations from single clients' uploads"
 
     def aggregate(self, server: ServerState, replies: list[Reply], round: int) -> ServerState:
         models = super().aggregate(server, replies, round).model

@@ -101,6 +101,10 @@ class FedU2(SelfSupervised):
         return tangent_sliced_wasserstein(z, samples, noise[f"theta{view}"], tangent)
 
     # -- server ------------------------------------------------------------------------
+    @classmethod
+    def individual_updates(cls, params: Any) -> str | None:
+        return None if params.aggregation == "fedavg" else "FedU2's EUA solves for weights from every client's update (algorithm.aggregation=fedavg averages instead)"
+
     def aggregate(self, server: ServerState, replies: list[Reply], round: int) -> ServerState:
         if self.params.aggregation == "fedavg":
             return super().aggregate(server, replies, round)

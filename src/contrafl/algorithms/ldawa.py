@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
+
 import torch
 
 from .. import params as P
@@ -140,6 +142,10 @@ class LDAWA(SelfSupervised):
     summary = "L-DAWA: SSL (method: simclr); server scales each layer by cos(global, client) and averages over K (self-supervised)"
     paper = "Rehman, Gao, de Gusmao, Alibeigi, Shen, Lane, L-DAWA: Layer-wise Divergence Aware Weight Aggregation in Federated Self-Supervised Visual Representation Learning, ICCV 2023"
     Params = LDAWAParams
+
+    @classmethod
+    def individual_updates(cls, params: Any) -> str | None:
+        return "L-DAWA's server scales each client's layers by their cosine to the global model"
 
     def aggregate(self, server: ServerState, replies: list[Reply], round: int) -> ServerState:
         if round < self.params.warmup_rounds:

@@ -12,7 +12,7 @@ import torch
 from torch.nn import functional as F
 
 from .. import params as P
-from ..engine.rng import generator
+from ..rng import generator
 from ..errors import ConfigError
 from ..models.base import Heads
 from .aggregation import weighted_average
@@ -114,6 +114,10 @@ class Orchestra(SelfSupervised):
     def reply_spec(self, message: dict[str, Any]) -> dict[str, Any]:
         C = message["centroids"]
         return {"model": spec_of(message["model"]), "local_centroids": TensorSpec((self.params.local_clusters, C.shape[1]), C.dtype)}
+
+    @classmethod
+    def individual_updates(cls, params: Any) -> str | None:
+        return "Orchestra's server clusters every client's local centroids"
 
     def aggregate(self, server: ServerState, replies: list[Reply], round: int) -> ServerState:
         p = self.params

@@ -10,7 +10,7 @@ from torch.func import grad
 from torch.nn import functional as F
 
 from .. import params as P
-from ..engine.rng import seed_global
+from ..rng import seed_global
 from .aggregation import sample_weights, weighted_average
 from .base import (
     Algorithm,

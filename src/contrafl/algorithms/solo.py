@@ -47,6 +47,10 @@ class Solo(Algorithm):
     ) -> tuple[Reply, dict[str, Any]]:
         return Reply(ctx.cid, ctx.num_samples, {}), {"model": model_state(result)}
 
+    @classmethod
+    def individual_updates(cls, params: Any) -> str | None:
+        return "SOLO's clients send nothing"
+
     def aggregate(self, server: ServerState, replies: list[Reply], round: int) -> ServerState:
         return server
 

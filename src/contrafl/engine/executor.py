@@ -22,7 +22,7 @@ from ..data.augment import Views, view_transform
 from ..models.base import FedModel, ModelOutput
 from .optim import Adam, OptState, SGD
 from .plan import ClientPlan
-from .rng import generator, seed_global
+from ..rng import generator, seed_global
 
 
 class FunctionalNet:

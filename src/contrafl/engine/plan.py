@@ -46,6 +46,13 @@ class ClientPlan:
         a, b = self.offsets[step], self.offsets[step + 1]
         return self.order[a:b], [{k: v[a:b] for k, v in view.items()} for view in self.aug]
 
+    def head(self, steps: int) -> "ClientPlan":
+        """The plan's first ``steps`` steps (a client cut short by a deadline): the same
+        batches and augmentations as the whole plan's, then nothing."""
+        end = self.offsets[steps]
+        aug = [{k: v[:end] for k, v in view.items()} for view in self.aug]
+        return ClientPlan(self.order[:end], self.sizes[:steps], aug, frozenset(e for e in self.epoch_ends if e < steps))
+
     def to(self, device: torch.device) -> "ClientPlan":
         aug = [{k: v.to(device) for k, v in view.items()} for view in self.aug]
         return ClientPlan(self.order.to(device), self.sizes, aug, self.epoch_ends)

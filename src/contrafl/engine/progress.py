@@ -90,6 +90,8 @@ class Progress:
             parts.append(f"kNN {row['knn_acc']:.4f}")
         if row.get("personal_acc") is not None:
             parts.append(f"personal {row['personal_acc']:.4f}±{row['personal_acc_std']:.4f}")
+        if "dp_epsilon" in row:
+            parts.append("eps " + ("inf" if row["dp_epsilon"] is None else f"{row['dp_epsilon']:.3g}"))
         parts.append(f"{per_round:.1f}s/round ETA {clock_text(eta)}{self.suffix()}")
         self.stream.write(("\r" if self.live else "") + "  ".join(parts) + "\n")
         for item in row.get("rejected", []):

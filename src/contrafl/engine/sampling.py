@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from .rng import derive_seed
+from ..rng import derive_seed
 
 
 def sample_schedule(num_clients: int, fraction: float, rounds: int, seed: int) -> list[list[int]]:

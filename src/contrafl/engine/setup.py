@@ -14,6 +14,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -30,7 +31,8 @@ from ..errors import ConfigError, DataError
 from ..models import MODELS, build_model
 from ..models.registry import split_options
 from ..models.base import FedModel
-from .rng import derive_seed
+from ..rng import derive_seed
+from .privacy import MODES, DPParams
 
 
 @dataclass
@@ -144,6 +146,15 @@ def resolve(cfg: Config) -> Config:
             "pool=true puts the official test set into the clients' data and leaves no test set; "
             "set test_fraction=0.25 (PFLlib) so that each client keeps a local test split"
         )
+    if cfg.stragglers == "partial" and cfg.round_deadline is None:
+        raise ConfigError("stragglers=partial keeps the work clients finish by round_deadline, which is not set; set round_deadline=T (local steps of a speed-1 client)")
+    if cfg.stragglers == "partial" and not algo_cls.partial_work:
+        takes = ", ".join(sorted(name for name, cls in ALGORITHMS.items() if cls.partial_work))
+        raise ConfigError(
+            f"stragglers=partial but {algo_cls.name} counts only complete local work (algorithms that accept partial work: {takes}); "
+            "use stragglers=drop, or algorithm=fedprox (algorithm.mu=0 is FedAvg that keeps partial work)"
+        )
+    dp = resolve_dp(cfg.dp, algo_cls, algo_params)
     if not algo_cls.supervised and cfg.eval_personal:
         raise ConfigError(
             f"eval_personal=true evaluates classifiers, and {algo_cls.name} learns representations without one; "
@@ -157,6 +168,7 @@ def resolve(cfg: Config) -> Config:
         partition=Component(partition.name, P.to_dict(partition_options)),
         model=Component(model_spec.name, {**P.to_dict(head), **P.to_dict(backbone)}),
         algorithm=Component(algo_cls.name, P.to_dict(algo_params)),
+        dp=dp,
         data_dir=str(Path(cfg.data_dir).expanduser().resolve()) if cfg.data_dir else None,
         rounds=cfg.rounds if cfg.rounds is not None else rec["rounds"],
         local_epochs=cfg.local_epochs if cfg.local_epochs is not None else rec["local_epochs"],
@@ -177,6 +189,29 @@ def resolve(cfg: Config) -> Config:
     executor = choose_executor(cfg, algo_cls, device)
     workers = (cfg.workers or cpu_cores()) if executor == "parallel" else 1
     return dataclasses.replace(cfg, executor=executor, workers=workers)
+
+
+def resolve_dp(dp: Component, algo_cls: type[Algorithm], algo_params: Any) -> Component:
+    """The ``dp`` component validated and in canonical form: ``none``, or ``central`` /
+    ``local`` with every option of :class:`~contrafl.engine.privacy.DPParams`; a one-line
+    error for a mode the algorithm cannot take."""
+    mode = P.fold(dp.name)
+    if mode not in MODES:
+        raise ConfigError(f"dp={dp.name!r} is invalid: expected one of {', '.join(MODES)}{P.suggest(dp.name, list(MODES))}; set it with dp=central or dp=local")
+    if mode == "none":
+        if dp.options:
+            raise ConfigError(f"dp.{next(iter(dp.options))} is set but dp=none; add dp=central (the server adds the noise) or dp=local (each client does)")
+        return Component("none")
+    options = P.build(DPParams, dp.options, "dp")
+    why = algo_cls.individual_updates(algo_params)
+    if not algo_cls.samples_clients:
+        raise ConfigError(f"dp={mode} protects what clients send, and {algo_cls.name}'s clients send nothing; leave dp unset")
+    if why is not None and mode == "central":
+        raise ConfigError(
+            f"dp=central needs a server that aggregates the sum of the updates, but {why}; "
+            "use dp=local (each client adds its own noise) or another algorithm"
+        )
+    return Component(mode, P.to_dict(options))
 
 
 def resolve_augment(name: str, spec: DatasetSpec, algo_cls: type[Algorithm]) -> str:

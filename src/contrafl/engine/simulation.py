@@ -10,7 +10,7 @@ Every ``checkpoint_every`` rounds (and after the last) the run directory gets a
 checkpoint with everything needed to continue exactly: the server's state and
 optimiser, every client's state (:class:`~contrafl.engine.client_store.ClientStore`),
 the metrics so far and the communication totals. Every random stream is derived from
-(seed, round, client) (:mod:`contrafl.engine.rng`), so :meth:`Simulation.restore`
+(seed, round, client) (:mod:`contrafl.rng`), so :meth:`Simulation.restore`
 followed by :meth:`Simulation.run` continues with the same numbers as a run that was
 never stopped. ``summary.json`` always says how the run stands: ``running``,
 ``completed``, ``interrupted`` (SIGINT, SIGTERM, SIGHUP) or ``failed`` (with the error).
@@ -21,6 +21,7 @@ TensorBoard, MLflow or CSV files (:mod:`~contrafl.engine.tracking`), after
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import tempfile
@@ -42,8 +43,7 @@ from ..data.augment import view_transform
 from ..errors import CheckpointError, ClientUpdateError, one_line
 from ..eval.evaluate import evaluate
 from ..eval.metrics import mean_std, rounds_to_reach
-from ..eval.probe import bank_and_queries
-from ..eval.representation import extract_features, knn_accuracy
+from ..eval.representation import bank_and_queries, extract_features, knn_accuracy
 from ..models.base import ModelOutput
 from .checkpoint import load_safe, save_atomic
 from .client_store import ClientStore
@@ -52,8 +52,10 @@ from .executor import AutocastNet, FunctionalNet, Job, PhaseRun, SequentialExecu
 from .optim import make_optimizer
 from .parallel import ParallelExecutor
 from .plan import ClientPlan, make_plan
+from .privacy import Accountant, add_noise, clip, dp_params, gaussian, protect_labels, require_accounting, updates
 from .progress import Progress
-from .rng import derive_seed, generator
+from ..rng import derive_seed, generator
+from ..speeds import client_speeds, round_speed, step_budget
 from .run_dir import CHECKPOINT, RunDir
 from .sampling import sample_schedule
 from .setup import Setup, choose_executor, cpu_cores
@@ -98,7 +100,9 @@ class ClientOutcome:
     """One client's part of a round as the server sees it: its reply with the training
     loss and the loss's parts (:func:`loss_parts`) summed over its steps and the number
     of steps, or ``reply=None`` and why (``lost``: the client never answered, e.g. its
-    process died)."""
+    process died). ``time``: the simulated time its work took (``steps / speed``,
+    :mod:`contrafl.speeds`); ``straggler``: how a client that missed the round's deadline
+    was cut (:meth:`Simulation.cut_at_deadline`)."""
 
     cid: int
     reply: Reply | None
@@ -106,6 +110,8 @@ class ClientOutcome:
     steps: int = 0
     lost: str | None = None
     parts: dict[str, float] = field(default_factory=dict)
+    time: float | None = None
+    straggler: dict[str, Any] | None = None
 
 
 def loss_parts(stats: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -186,7 +192,13 @@ class Simulation:
             self.store = ClientStore(cfg.client_memory_gb * 2**30, spill, self.device)
         self.executor_name = cfg.executor if cfg.executor != "auto" else choose_executor(cfg, type(self.algorithm), self.device)
         self.schedule = sample_schedule(cfg.num_clients, cfg.sample_fraction, cfg.rounds, cfg.seed)
+        self.speeds = client_speeds(cfg.client_speed, cfg.num_clients, cfg.seed).tolist()
+        self.timed = cfg.client_speed != "constant" or cfg.speed_jitter > 0 or cfg.round_deadline is not None
+        """Rounds record their simulated duration (``round_time``)."""
         self.fingerprint = fingerprint(cfg)
+        self.dp = dp_params(cfg)
+        self.dp_releases = 0  # central: rounds whose aggregate was released
+        self.dp_client_releases: dict[int, int] = {}  # local: each client's noisy replies
         self.history: list[dict[str, Any]] = []
         self.comm_total: dict[str, dict[str, int]] = {"down": {}, "up": {}}
         self.rounds_done = 0
@@ -218,6 +230,8 @@ class Simulation:
         summary has recorded the run as ``interrupted`` or ``failed``."""
         start = time.perf_counter()
         cfg, run_dir = self.cfg, self.run_dir
+        if self.dp is not None:
+            require_accounting()  # before anything is written: the server reports epsilon
         if run_dir is not None:
             run_dir.write_config(self.cfg)
             run_dir.write_text("partition.json", json.dumps(self.setup.partition.to_json()))
@@ -286,6 +300,7 @@ class Simulation:
                 "clients": manifest,
                 "history": self.history,
                 "comm_total": self.comm_total,
+                "privacy": {"releases": self.dp_releases, "client_releases": self.dp_client_releases},
                 "wall_time_s": self.wall_time_before + seconds,
             },
             self.run_dir.checkpoint_path,
@@ -314,6 +329,9 @@ class Simulation:
         self.store.restore(checkpoint["clients"])
         self.history = list(checkpoint["history"])
         self.comm_total = checkpoint["comm_total"]
+        privacy = checkpoint.get("privacy", {})
+        self.dp_releases = int(privacy.get("releases", 0))
+        self.dp_client_releases = {int(c): int(n) for c, n in privacy.get("client_releases", {}).items()}
         self.rounds_done = self.checkpointed = int(checkpoint["round"])
         self.wall_time_before = float(checkpoint["wall_time_s"])
         if self.run_dir is not None:
@@ -378,19 +396,113 @@ class Simulation:
         executor = self.round_executor(phases)
         open_clients: dict[int, tuple[Context, dict[str, Any]]] = {}
 
+        cuts: dict[int, dict[str, Any]] = {}
+        messages: dict[int, dict[str, Any]] = {}
+
         def make_job(cid: int) -> Job:
-            job, ctx, entry = self.client_job(cid, t, message_for(cid), phases)
+            messages[cid] = message_for(cid)
+            job, ctx, entry = self.client_job(cid, t, messages[cid], phases)
             open_clients[cid] = (ctx, entry)
+            cut = self.cut_at_deadline(cid, t, job)
+            if cut is not None:
+                cuts[cid] = cut
             return job
 
         for job, result in executor.run(make_job, cids):
             ctx, entry = open_clients.pop(job.cid)
+            cut = cuts.pop(job.cid, None)
+            if cut is not None and not cut["done"]:
+                messages.pop(job.cid)
+            time = result.steps / self.speed(job.cid, t)
+            if cut is not None and not cut["done"]:  # dropped at the deadline: no reply, the state stays
+                yield ClientOutcome(job.cid, None, lost=f"straggler: missed round_deadline={cfg.round_deadline:g}", time=cfg.round_deadline, straggler=cut)
+                continue
             reply, state = algo.client_end(job.task, result, entry["algorithm"], ctx)
+            message = messages.pop(job.cid)
+            if cfg.dp.name == "local":
+                reply = self.privatize(reply, message, t)
             entry = {"algorithm": state, "optimizer": result.opt_state if cfg.persist_optimizer_state else None}
             if entry["algorithm"] or entry["optimizer"] is not None or job.cid in self.store:
                 self.store.put(job.cid, entry)
             loss = float(result.stats["loss"]) if "loss" in result.stats else None
-            yield ClientOutcome(job.cid, reply, loss, result.steps, parts=loss_parts(result.stats))
+            yield ClientOutcome(job.cid, reply, loss, result.steps, parts=loss_parts(result.stats), time=time, straggler=cut)
+
+    def privatize(self, reply: Reply, message: dict[str, Any], t: int) -> Reply:
+        """``dp=local``: the reply a client sends, its per-label tables protected
+        (:func:`~contrafl.engine.privacy.protect_labels`), its update clipped to ``dp.clip``
+        plus ``N(0, (z C)^2)`` noise from the stream ``(seed, "dp", t, cid)``, counting as
+        one sample (:mod:`~contrafl.engine.privacy`)."""
+        assert self.dp is not None
+        payload = protect_labels(reply.payload, self.dp.rep_clip, self.dp.labels == "hide")
+        payload, _ = clip(payload, message, self.dp.clip)
+        g = generator(self.cfg.seed, "dp", t, reply.cid)
+        noise = gaussian(updates(payload, message), self.dp.noise_multiplier * self.dp.clip, g)
+        return Reply(reply.cid, 1, add_noise(payload, message, noise))
+
+    def central_dp(self, replies: list[Reply], messages: dict[int, dict[str, Any]], t: int) -> tuple[list[Reply], int]:
+        """``dp=central``: the replies clipped to ``dp.clip``, each counting as one sample,
+        with one draw ``xi ~ N(0, (z C / m)^2)`` from the stream ``(seed, "dp", t)`` added to
+        each of the ``m`` replies' updates (the aggregate's sum then carries
+        ``N(0, (z C)^2)``); and how many were clipped."""
+        assert self.dp is not None
+        clipped, out = 0, []
+        for r in replies:
+            payload, norm = clip(r.payload, messages[r.cid], self.dp.clip)
+            clipped += norm > self.dp.clip
+            out.append((r.cid, payload))
+        if not out:
+            return [], 0
+        std = self.dp.noise_multiplier * self.dp.clip / len(out)
+        xi = gaussian(updates(out[0][1], messages[out[0][0]]), std, generator(self.cfg.seed, "dp", t))
+        return [Reply(cid, 1, add_noise(payload, messages[cid], xi)) for cid, payload in out], clipped
+
+    @functools.cached_property
+    def accountant(self) -> Accountant | None:
+        """The run's privacy accountant (``None`` without ``dp``); built on first use, so
+        that a client's process (a Flower SuperNode's) needs no dp-accounting."""
+        if self.dp is None:
+            return None
+        sampled = len(self.schedule[0]) if self.schedule else self.cfg.num_clients
+        return Accountant(self.cfg.dp.name, self.dp.noise_multiplier, self.dp.delta, self.cfg.num_clients, sampled)
+
+    def privacy_row(self, cids: list[int]) -> dict[str, Any]:
+        """Count this round's releases (central: the aggregate of the replies of ``cids``,
+        if any; local: each of ``cids``'s noisy reply) and epsilon so far at ``dp.delta``
+        (local: of the client that has sent most)."""
+        assert self.accountant is not None
+        if self.cfg.dp.name == "central":
+            self.dp_releases += bool(cids)
+            releases = self.dp_releases
+        else:
+            for cid in cids:
+                self.dp_client_releases[cid] = self.dp_client_releases.get(cid, 0) + 1
+            releases = max(self.dp_client_releases.values(), default=0)
+        return {"dp_epsilon": self.accountant.epsilon(releases), "dp_releases": releases}
+
+    def speed(self, cid: int, t: int) -> float:
+        """Client ``cid``'s speed in round ``t`` (:func:`~contrafl.speeds.round_speed`)."""
+        return round_speed(self.speeds[cid], self.cfg.speed_jitter, self.cfg.seed, t, cid)
+
+    def cut_at_deadline(self, cid: int, t: int, job: Job) -> dict[str, Any] | None:
+        """Apply ``round_deadline`` to client ``cid``'s ``job`` in round ``t``: ``None`` when
+        its planned steps ``K`` fit (``K / s_i <= round_deadline``, ``s_i`` its speed in the
+        round), else how it was cut:
+        ``{"client", "speed", "planned": K, "done": k}``. With ``stragglers=partial`` the
+        job keeps its first ``k = floor(round_deadline * s_i)`` steps (the same batches
+        as the whole plan's first ``k``); with ``drop``, or when ``k`` is 0, it keeps none
+        (``done`` 0) and the client does not reply."""
+        deadline, speed = self.cfg.round_deadline, self.speed(cid, t)
+        planned = sum(plan.steps for plan in job.plans)
+        if deadline is None or planned <= step_budget(deadline, speed):
+            return None
+        budget = step_budget(deadline, speed) if self.cfg.stragglers == "partial" else 0
+        plans = []
+        for plan in job.plans:  # phases in order: the budget goes to the first ones
+            plans.append(plan.head(min(plan.steps, budget)))
+            budget -= plans[-1].steps
+        job.plans = plans
+        done = sum(plan.steps for plan in plans)
+        return {"client": cid, "speed": round(speed, 6), "planned": planned, "done": done}
 
     def dropped_out(self, t: int, sampled: list[int]) -> set[int]:
         """The clients of round ``t``'s sample that do not reply (``client_dropout``):
@@ -401,6 +513,15 @@ class Simulation:
             return set()
         draws = torch.rand(len(sampled), generator=generator(self.cfg.seed, "dropout", t))
         return {cid for cid, u in zip(sampled, draws.tolist()) if u < p}
+
+    def round_time(self, times: list[float], missing: bool) -> float:
+        """A round's simulated duration: until the slowest reply (``times``, each client's
+        ``steps / speed``), or until ``round_deadline`` when a client is ``missing``
+        (dropped out, lost, or cut at the deadline: the server waits until then)."""
+        deadline = self.cfg.round_deadline
+        if missing and deadline is not None:
+            return deadline
+        return round(max(times, default=0.0), 6)
 
     def run_round(self, t: int) -> dict[str, Any]:
         cfg, algo = self.cfg, self.algorithm
@@ -424,6 +545,8 @@ class Simulation:
         losses: dict[int, float] = {}
         parts: dict[int, dict[str, float]] = {}
         steps = 0
+        times: list[float] = []
+        stragglers: list[dict[str, Any]] = []
         up: dict[str, int] = {}
         broadcast_spec = None
         dropped = self.dropped_out(t, sampled)
@@ -434,6 +557,10 @@ class Simulation:
         for done, outcome in enumerate(train(t, replying, message_for, phases), start=1):
             stop_point()  # a stop requested while the last client trained
             cid = outcome.cid
+            if outcome.time is not None:
+                times.append(outcome.time)
+            if outcome.straggler is not None:
+                stragglers.append(outcome.straggler)
             if outcome.reply is None:
                 lost[cid] = outcome.lost or "no reply"
                 continue
@@ -458,7 +585,13 @@ class Simulation:
         replies.sort(key=lambda r: r.cid)
         for cid, reason in norm_outliers(replies, broadcast, cfg.update_outlier_factor, own_messages).items():
             rejected[cid] = self.reject(cid, reason, t)
+        sent = [r.cid for r in replies] + sorted(rejected)  # every reply that reached the server
         replies = [r for r in replies if r.cid not in rejected]
+        privacy: dict[str, Any] = {}
+        if self.cfg.dp.name == "central":
+            replies, privacy["dp_clipped"] = self.central_dp(replies, {c: own_messages.get(c, broadcast) for c in sent}, t)
+        if self.accountant is not None:
+            privacy |= self.privacy_row([r.cid for r in replies] if cfg.dp.name == "central" else sent)
 
         if replies:
             old = self.server.model
@@ -481,6 +614,11 @@ class Simulation:
             row["rejected"] = [{"client": cid, "reason": why} for cid, why in sorted(rejected.items())]
         if lost:
             row["lost"] = [{"client": cid, "reason": why} for cid, why in sorted(lost.items())]
+        if stragglers:
+            row["stragglers"] = sorted(stragglers, key=lambda c: c["client"])
+        if self.timed:
+            row["round_time"] = self.round_time(times, bool(lost or stragglers))
+        row.update(privacy)
         if (t + 1) % cfg.eval_every == 0 or t + 1 == cfg.rounds:
             row.update(self.evaluate(t + 1))
         if cfg.knn_every and ((t + 1) % cfg.knn_every == 0 or t + 1 == cfg.rounds):
@@ -652,6 +790,21 @@ class Simulation:
             summary["rounds_to_target"] = rounds_to_reach(self.history, self.cfg.target_accuracy)
         seconds += self.wall_time_before
         summary["rejected_updates"] = sum(len(r.get("rejected", [])) for r in self.history)
+        if self.accountant is not None:
+            releases = self.dp_releases if self.cfg.dp.name == "central" else max(self.dp_client_releases.values(), default=0)
+            summary["dp"] = {
+                "mode": self.cfg.dp.name,
+                "epsilon": self.accountant.epsilon(releases),
+                "delta": self.dp.delta,
+                "releases": releases,
+                "neighbouring": self.accountant.relation,
+            }
+        if self.timed:
+            summary["simulated_time"] = round(sum(r["round_time"] for r in self.history), 6)
+            summary["straggler_replies"] = {
+                "dropped": sum(1 for r in self.history for c in r.get("stragglers", []) if not c["done"]),
+                "partial": sum(1 for r in self.history for c in r.get("stragglers", []) if c["done"]),
+            }
         summary["bytes_total"] = self.comm_total
         summary["executor"] = self.executor_name
         summary["device"] = str(self.device)

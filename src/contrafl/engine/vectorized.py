@@ -41,7 +41,7 @@ from .executor import (
     used_parameters,
 )
 from .plan import ClientPlan
-from .rng import seed_global
+from ..rng import seed_global
 
 
 def stack_trees(trees: list[Any], force: bool = False) -> tuple[Any, Any]:

@@ -31,13 +31,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from ..data import augment
 from ..engine.run_dir import to_json
 from ..errors import ContraflError
-from .representation import extract_features, finetune, knn_accuracy, linear_probe, singular_spectrum
+from .representation import bank_and_queries, extract_features, finetune, knn_accuracy, linear_probe, singular_spectrum
 
 PROTOCOLS = ("knn", "linear", "finetune", "spectrum")
 LOCAL_CLIENTS = 10  # local spectra by default: the first clients, at most this many
@@ -54,19 +53,6 @@ class _Loaded:
     y_test: torch.Tensor
     round: int
     checkpoint: dict[str, Any]
-
-
-def bank_and_queries(train: Any, test: Any, partition: Any) -> tuple[torch.Tensor, ...]:
-    """``(x_bank, y_bank, x_query, y_query)`` of representation evaluation: the memory bank
-    (the probes' training set) is the union of the clients' training samples, the queries
-    the test set, or the clients' test splits when the run pooled the test set into them.
-    ``train`` and ``test`` are the run's splits (``x``, ``y``), on any device."""
-    device = train.y.device
-    rows = torch.as_tensor(np.concatenate(partition.train), dtype=torch.long, device=device)
-    if len(test.y):
-        return train.x[rows], train.y[rows], test.x, test.y
-    test_rows = torch.as_tensor(np.concatenate(partition.test), dtype=torch.long, device=device)
-    return train.x[rows], train.y[rows], train.x[test_rows], train.y[test_rows]
 
 
 def _load(run_dir: Path, device: str) -> _Loaded:

@@ -29,8 +29,9 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
+import numpy as np
 import torch
 from torch.nn import functional as F
 
@@ -529,3 +530,16 @@ def _accuracy(logits: torch.Tensor, labels: torch.Tensor) -> float:
     if len(labels) == 0:
         return float("nan")
     return (logits.argmax(1) == labels).double().mean().item()
+
+
+def bank_and_queries(train: Any, test: Any, partition: Any) -> tuple[torch.Tensor, ...]:
+    """``(x_bank, y_bank, x_query, y_query)`` of representation evaluation: the memory bank
+    (the probes' training set) is the union of the clients' training samples, the queries
+    the test set, or the clients' test splits when the run pooled the test set into them.
+    ``train`` and ``test`` are the run's splits (``x``, ``y``), on any device."""
+    device = train.y.device
+    rows = torch.as_tensor(np.concatenate(partition.train), dtype=torch.long, device=device)
+    if len(test.y):
+        return train.x[rows], train.y[rows], test.x, test.y
+    test_rows = torch.as_tensor(np.concatenate(partition.test), dtype=torch.long, device=device)
+    return train.x[rows], train.y[rows], train.x[test_rows], train.y[test_rows]

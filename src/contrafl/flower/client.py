@@ -104,7 +104,8 @@ class FlowerClient:
 
     def train(self, t: int, message: dict[str, Any], checkpointed: int) -> dict[str, Any]:
         """Local training in round ``t + 1`` on ``message``: the reply as a tree
-        (``payload``, ``num_samples``, ``loss``, ``steps``, the loss's ``parts``). The
+        (``payload``, ``num_samples``, ``loss``, ``steps``, the loss's ``parts``, the
+        simulated ``time`` and how a straggler was cut, or ``lost`` and why). The
         client's next state is saved (``round-<t+1>.pt``) before the reply leaves; it keeps
         the states a server resuming from its checkpoint after round ``checkpointed`` may
         need."""
@@ -120,8 +121,11 @@ class FlowerClient:
             for r, path in states.items():
                 if r not in keep:
                     path.unlink()
+        timing = {"time": outcome.time, "straggler": outcome.straggler}
+        if outcome.reply is None:  # a straggler dropped at the round's deadline
+            return {"lost": outcome.lost, **timing}
         reply = outcome.reply
-        return {"payload": reply.payload, "num_samples": reply.num_samples, "loss": outcome.loss, "steps": outcome.steps, "parts": outcome.parts}
+        return {"payload": reply.payload, "num_samples": reply.num_samples, "loss": outcome.loss, "steps": outcome.steps, "parts": outcome.parts, **timing}
 
     def evaluate(self, t: int, message: dict[str, Any]) -> Scores | None:
         """The client's personal model at the start of round ``t + 1`` on its test data."""

@@ -26,6 +26,7 @@ from ..engine.setup import cpu_cores, prepare
 from ..errors import ConfigError, one_line
 from .launch import FlowerLaunchError, LocalDeployment, RunResult, toml_document, toml_string
 from .supernode import POLL_S
+from .auth import make_node_keys
 from .tls import alt_name, make_certificates
 
 APP_DIR = Path(str(resources.files("contrafl.flower") / "app"))
@@ -61,15 +62,15 @@ def check_hosts(server_hosts: Sequence[str], tls: bool) -> None:
     address, and unless there is one when ``tls`` (what the certificates name)."""
     if tls and not server_hosts:
         raise ConfigError(
-            "--tls with --prepare-only makes certificates for the SuperLink's host: give the "
-            "names or addresses the SuperNodes dial with --server-host HOST (repeatable)"
+            "--prepare-only serves the SuperLink over TLS (the default for several machines) and makes certificates for its host: "
+            "give the names or addresses the SuperNodes dial with --server-host HOST (repeatable), or --insecure on a network you trust"
         )
     for host in server_hosts:
         alt_name(host)
 
 
 def deploy(
-    cfg: Config, path: Path, *, prepared: bool = False, tls: bool = False, round_timeout: float = 600.0,
+    cfg: Config, path: Path, *, prepared: bool = False, tls: bool = False, auth: bool = False, round_timeout: float = 600.0,
     min_replies: int = 1, supernode_poll: float = POLL_S, timeout: float | None = None, echo: TextIO | None = None,
 ) -> RunResult:
     """Run ``cfg`` on a SuperLink and ``num_clients`` SuperNodes on this machine, the
@@ -78,7 +79,8 @@ def deploy(
     earlier deployment: the run continues from its last checkpoint), ``cfg`` is its
     ``config.yaml``. The server's output (its progress) also goes to ``echo`` when given.
     The SuperNodes are ``contrafl-supernode`` s that wait at most ``supernode_poll``
-    seconds between their pulls of messages (:mod:`contrafl.flower.supernode`).
+    seconds between their pulls of messages (:mod:`contrafl.flower.supernode`). ``tls``
+    and ``auth``: :class:`~contrafl.flower.launch.LocalDeployment`'s.
 
     When the deployment ends before the run does (its SuperLink or ServerApp died, or
     the caller was interrupted), the processes are stopped and ``summary.json`` says so
@@ -88,7 +90,7 @@ def deploy(
         cfg = prepare_run(cfg, path)
     try:
         with LocalDeployment(
-            Path(path) / "flower", cfg.num_clients, tls=tls, node_configs=shared_cores(cfg.num_clients), supernode_poll=supernode_poll,
+            Path(path) / "flower", cfg.num_clients, tls=tls, auth=auth, node_configs=shared_cores(cfg.num_clients), supernode_poll=supernode_poll,
         ) as deployment:
             return deployment.run(APP_DIR, run_config(path, round_timeout, min_replies), timeout=timeout, echo=echo)
     except (FlowerLaunchError, KeyboardInterrupt) as exc:
@@ -150,7 +152,7 @@ SUPEREXEC_HOST = "127.0.0.1"
 
 def commands(
     path: Path, cfg: Config, round_timeout: float = 600.0, min_replies: int = 1, *,
-    server_hosts: Sequence[str] = (), tls: bool = False,
+    server_hosts: Sequence[str] = (), tls: bool = False, auth: bool = False,
 ) -> str:
     """How to run the prepared run directory ``path`` of the resolved config ``cfg`` on a
     Flower deployment of one's own (SuperLink and SuperNodes on any machines): the
@@ -160,7 +162,12 @@ def commands(
     the ``flwr`` CLI dial (the first goes into the commands; default: ``SERVER``).
     ``tls``: certificates for ``server_hosts`` and :data:`SUPEREXEC_HOST` are made in
     ``path/flower/certs`` (:func:`contrafl.flower.tls.make_certificates`, valid for a
-    year) and used."""
+    year) and used. ``auth`` (needs ``tls``): SuperNode authentication, with a key pair
+    per client in ``path/flower/keys`` (:func:`contrafl.flower.auth.make_node_keys`):
+    the commands register the public keys with the SuperLink and give each SuperNode
+    its private key."""
+    if auth and not tls:
+        raise ConfigError("SuperNode authentication needs TLS (flwr 1.41 refuses --enable-supernode-auth with --insecure); drop --insecure, or add --no-auth")
     check_settings(cfg, round_timeout, min_replies)
     check_hosts(server_hosts, tls)
     path = Path(path).resolve()
@@ -189,16 +196,30 @@ def commands(
         link_security = node_security = "--insecure"
         cli_security, secured = "insecure = true", ""
     last = cfg.num_clients - 1
+    register: list[str] = []
+    if auth:
+        make_node_keys(path / "flower" / "keys", cfg.num_clients)
+        link_security += " --enable-supernode-auth"
+        node_security += " --auth-supernode-private-key RUN_DIR/flower/keys/node-K"
+        copies = copies.replace(" and flower/certs/ca.crt", ", flower/certs/ca.crt and its private key flower/keys/node-K (to that machine only)")
+        secured += f"; SuperNode authentication: a key pair per client in {path / 'flower' / 'keys'}"
+        register = [
+            f"  2. once the SuperLink is up, register each client's public key (K = 0..{last}) from a machine whose $FLWR_HOME/config.toml names the SuperLink as CONNECTION"
+            f" (address = \"{address}\", {cli_security}); only SuperNodes with these keys may join:",
+            f"    flwr supernode register {shlex.quote(str(path / 'flower' / 'keys'))}/node-K.pub CONNECTION",
+        ]
+    step = 3 if auth else 2
     return "\n".join([
         f"The run directory {path} is ready. On a Flower deployment of your own (flwr 1.41; contrafl[flower] and the same torch on every machine):",
         f"  1. on the server machine, the SuperLink on port {SUPERLINK_PORT} of every interface{secured}:",
         f"    flower-superlink {link_security} --disable-runtime-dependency-installation --host 0.0.0.0 --port {SUPERLINK_PORT}",
-        f"  2. for each client K = 0..{last}, on its machine: {copies} of the run directory copied to RUN_DIR (same places)"
+        *register,
+        f"  {step}. for each client K = 0..{last}, on its machine: {copies} of the run directory copied to RUN_DIR (same places)"
         + (", the dataset in DATA_DIR" if cfg.data_dir else "")
         + f", a FLWR_HOME of its own (NODE_HOME) and, for SuperNodes sharing a machine, a --port each:",
         f"    FLWR_HOME=NODE_HOME flower-supernode {node_security} --superlink {address} --port {SUPERNODE_PORT} --node-config \"{node_config}\"",
         f"     (threads={threads}: each client's torch threads in `contrafl run` of this config on this machine, executor={cfg.executor}; its metrics bit for bit need the same)",
-        f"  3. once every SuperNode is up, from a machine whose $FLWR_HOME/config.toml names the SuperLink as CONNECTION (address = \"{address}\", {cli_security}):",
+        f"  {step + 1}. once every SuperNode is up, from a machine whose $FLWR_HOME/config.toml names the SuperLink as CONNECTION (address = \"{address}\", {cli_security}):",
         f"    flwr run {shlex.quote(str(APP_DIR))} CONNECTION --stream --run-config {shlex.quote(str(rc))}",
-        "(docs/flower.md: several machines, TLS, faults and restarts)",
+        "(docs/flower.md: several machines, TLS, SuperNode authentication, faults and restarts)",
     ])

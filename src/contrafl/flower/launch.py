@@ -56,9 +56,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from contrafl.errors import ConfigError, ContraflError
+
+if TYPE_CHECKING:
+    from contrafl.flower.auth import NodeKey
 
 #: Name of the SuperLink connection written to ``$FLWR_HOME/config.toml``.
 CONNECTION = "contrafl-local"
@@ -355,6 +358,11 @@ class LocalDeployment:
         node_configs: one dict per node, merged over the default node config (str, int,
             float or bool values).
         python_bin_dir: folder with flwr's executables; default: that of this Python.
+        auth: SuperNode authentication (needs ``tls``): the SuperLink runs with
+            ``--enable-supernode-auth``, a key pair per SuperNode is made in
+            ``workdir/keys`` (:mod:`contrafl.flower.auth`) and its public key registered
+            (``flwr supernode register``) before the SuperNode starts with its private
+            key; a SuperNode with any other key is refused.
         supernode_poll: the SuperNodes' longest wait between pulls of messages, in
             seconds: they run as ``contrafl-supernode`` (:mod:`contrafl.flower.supernode`);
             None runs ``flower-supernode``, which waits 3 s.
@@ -368,6 +376,7 @@ class LocalDeployment:
         num_nodes: int,
         *,
         tls: bool = False,
+        auth: bool = False,
         host: str = "127.0.0.1",
         port: int | None = None,
         node_configs: list[dict[str, ConfigValue]] | None = None,
@@ -382,9 +391,12 @@ class LocalDeployment:
             raise ConfigError(
                 f"node_configs has {len(node_configs)} entries, expected one per node ({num_nodes})"
             )
+        if auth and not tls:
+            raise ConfigError("SuperNode authentication needs TLS: flwr 1.41 refuses --enable-supernode-auth with --insecure; set tls as well")
         self.workdir = Path(workdir).resolve()
         self.num_nodes = num_nodes
         self.tls = tls
+        self.auth = auth
         self.host = host
         self.port = port
         if supernode_poll is not None and not supernode_poll > 0:
@@ -404,6 +416,8 @@ class LocalDeployment:
         self.config_dir = self.workdir / "config"
         self.node_ids: list[int | None] = [None] * num_nodes
         """SuperLink node id of every SuperNode's current process (None while down)."""
+        self.keys: list[NodeKey] = []
+        """With ``auth``: each SuperNode's key pair."""
         self._superlink: _Process | None = None
         self._nodes: list[_Process] = []
         self._runs = 0
@@ -473,6 +487,8 @@ class LocalDeployment:
             f"address = {toml_string(self.address)}\n{connection}"
         )
 
+        if self.auth:
+            security.append("--enable-supernode-auth")
         self._superlink = _Process(
             "superlink",
             [str(self.bin_dir / "flower-superlink"), *security,
@@ -483,6 +499,11 @@ class LocalDeployment:
         )
         self._superlink.start()
         self._wait_for_superlink()
+        if self.auth:
+            from contrafl.flower.auth import make_node_keys
+
+            self.keys = make_node_keys(self.workdir / "keys", self.num_nodes)
+            self._register_keys()
 
         node_ports = self._free_node_ports()
         for i, config in enumerate(self.node_configs):
@@ -497,7 +518,8 @@ class LocalDeployment:
                 f"supernode-{i}",
                 [str(self.bin_dir / ("flower-supernode" if self.supernode_poll is None else "contrafl-supernode")),
                  *node_security, "--superlink", self.address, "--port", str(node_ports[i]),
-                 "--node-config", str(config_file)],
+                 "--node-config", str(config_file),
+                 *(["--auth-supernode-private-key", str(self.keys[i].private)] if self.auth else [])],
                 env,
                 self.log_dir / f"supernode-{i}.log",
             ))
@@ -629,7 +651,8 @@ class LocalDeployment:
         """Start the SuperLink again on the same port (stopping it first if it still runs)
         and restart every SuperNode.
 
-        The SuperLink keeps its state in memory, so runs and node registrations are lost;
+        The SuperLink keeps its state in memory, so runs, node registrations and (with
+        ``auth``) the registered keys are lost, and the keys are registered again;
         flwr 1.41 SuperNodes then get HTTP 401 for their unknown node id and exit by
         themselves. They are stopped first and started again here, with new node ids.
         """
@@ -639,6 +662,8 @@ class LocalDeployment:
         self.node_ids = [None] * self.num_nodes
         self._superlink.start()
         self._wait_for_superlink()
+        if self.auth:
+            self._register_keys()
         for node in self._nodes:
             node.start()
         self._wait_for_nodes(range(self.num_nodes))
@@ -668,6 +693,15 @@ class LocalDeployment:
         if not data.get("success", False):
             raise FlowerLaunchError(f"flwr {' '.join(args)} failed: {data}")
         return data
+
+    def register(self, public_key: Path) -> int:
+        """Register a SuperNode's public key with the SuperLink (``flwr supernode
+        register``): a SuperNode holding the private key may then join; its node id."""
+        return int(self._flwr_json("supernode", "register", str(public_key), CONNECTION)["node-id"])
+
+    def _register_keys(self) -> None:
+        for key in self.keys:
+            self.register(key.public)
 
     def list_nodes(self) -> list[dict]:
         """The SuperLink's node list (``flwr supernode ls --format json``): dicts with

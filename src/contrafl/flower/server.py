@@ -81,7 +81,7 @@ class GridTransport:
                 self.forget(cid)
                 lost[cid] = reason_of(reply)
             else:
-                ok += 1
+                ok += 1  # a node that answered, if only that its client missed the deadline
                 yield outcome_of(cid, decode(reply.content))
         for message_id in set(cid_of) - answered:
             self.forget(cid_of[message_id])
@@ -203,10 +203,14 @@ class GridTransport:
 
 def outcome_of(cid: int, tree: dict[str, Any]) -> ClientOutcome:
     """A decoded reply (``payload``, ``num_samples``, ``loss``, ``steps``, the loss's
-    ``parts``) as the client's outcome; the reply names the client it came from, for the
+    ``parts``, ``time``, ``straggler``; or ``lost``: the client missed the round's
+    deadline) as the client's outcome; the reply names the client it came from, for the
     engine's validation."""
+    timing = {"time": tree.get("time"), "straggler": tree.get("straggler")}
+    if "lost" in tree:
+        return ClientOutcome(cid, None, lost=str(tree["lost"]), **timing)
     reply = Reply(cid, tree["num_samples"], tree["payload"])
-    return ClientOutcome(cid, reply, tree["loss"], int(tree["steps"]), parts=tree["parts"])
+    return ClientOutcome(cid, reply, tree["loss"], int(tree["steps"]), parts=tree["parts"], **timing)
 
 
 def reason_of(reply: Message) -> str:
