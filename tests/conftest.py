@@ -108,3 +108,24 @@ def check_screenshot(png, size=(1200, 2400)) -> None:
     assert coloured.mean() > 0.005, "no coloured figure rendered"
     dark = image.max(axis=2) < 0.3
     assert dark[:200].mean() > 0.002  # the title and first table's text at the top
+
+
+def missing_clients_keep_state(sim: Simulation, rounds: int, missing) -> int:
+    """Run SCAFFOLD's ``sim`` for ``rounds`` rounds and check that the clients
+    ``missing(t)`` of each round (dropped out, late) come out of it with the state they
+    had, control variates unchanged, and appear as lost; how many of them had a state."""
+    import copy
+
+    kept = 0
+    for t in range(rounds):
+        absent = missing(t)
+        before = {cid: copy.deepcopy(sim.store.get(cid)) for cid in absent}
+        row = sim.run_round(t)
+        assert {x["client"] for x in row.get("lost", [])} == absent
+        for cid, state in before.items():
+            after = sim.store.get(cid)
+            assert (state is None) == (after is None)
+            if state is not None:
+                kept += 1
+                assert all(torch.equal(v, after["algorithm"]["c_i"][k]) for k, v in state["algorithm"]["c_i"].items())
+    return kept

@@ -4,7 +4,6 @@ reply, or keep the steps it finished, for FedProx)."""
 
 from __future__ import annotations
 
-import copy
 import json
 import math
 
@@ -19,6 +18,7 @@ from contrafl.engine.simulation import Simulation
 from contrafl.errors import ConfigError
 from contrafl.rng import generator
 from contrafl.speeds import client_speeds, round_speed, step_budget
+from conftest import missing_clients_keep_state
 from test_resume import CLIENTS, SETTINGS, _killed_run, _uninterrupted
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -110,19 +110,8 @@ def test_a_late_client_is_dropped_keeps_its_state_and_the_round_waits_until_the_
 
     jittery = ["algorithm=scaffold", *DIGITS, "rounds=6", "speed_jitter=1", "round_deadline=12"]
     scaffold = Simulation(prepare(load_config(None, jittery)))
-    kept = 0
-    for t in range(6):
-        late = {c for c in range(6) if planned_steps(scaffold, c) / scaffold.speed(c, t) > 12}
-        before = {cid: copy.deepcopy(scaffold.store.get(cid)) for cid in late}
-        row = scaffold.run_round(t)
-        assert {x["client"] for x in row.get("lost", [])} == late
-        for cid, state in before.items():
-            after = scaffold.store.get(cid)
-            assert (state is None) == (after is None)
-            if state is not None:
-                kept += 1
-                assert all(torch.equal(v, after["algorithm"]["c_i"][k]) for k, v in state["algorithm"]["c_i"].items())
-    assert kept  # a client that had trained was late later
+    late = lambda t: {c for c in range(6) if planned_steps(scaffold, c) / scaffold.speed(c, t) > 12}  # noqa: E731
+    assert missing_clients_keep_state(scaffold, 6, late)  # a client that had trained was late later
 
 
 def test_partial_work_is_the_first_steps_a_straggler_finished():

@@ -189,3 +189,19 @@ def test_parallel_workers_give_the_results_of_one_worker(tmp_path):
     assert logs == ["algorithm-fedavg-seed0.log", "algorithm-fedavg-seed0.yaml", "algorithm-fedprox-seed0.log", "algorithm-fedprox-seed0.yaml"]
     if hasattr(os, "sched_getaffinity") and len(os.sched_getaffinity(0)) >= 2:
         assert "(cores [0])" in (tmp_path / "two" / "logs" / "algorithm-fedavg-seed0.log").read_text()
+
+
+def test_a_sweep_over_dp_reports_the_epsilon_each_cell_spent(tmp_path):
+    """A grid over dp: the table gets an epsilon column, the last round's epsilon of the
+    cell's runs (inf for clipping without noise, - without dp); other tables have none."""
+    spec = tmp_path / "s.yaml"
+    spec.write_text(
+        "base: {dataset: digits, rounds: 2, num_clients: 3, local_epochs: 1, dp: {name: local, clip: 0.01}}\n"
+        "grid: {dp: [none, {name: local, noise_multiplier: 0}, {name: local, noise_multiplier: 2}]}\n"
+    )
+    assert main(["sweep", str(spec), "--out", str(tmp_path / "out"), "--workers", "1"]) == 0
+    rows = [line.split(" | ") for line in sweep_report(tmp_path / "out").splitlines()[2:]]
+    rows = {r[0].strip("| "): r[1] for r in rows}
+    spent = read_run(tmp_path / "out" / "dp-local-noise_multiplier-2" / "seed0")[1][-1]["dp_epsilon"]
+    assert rows == {"none": "-", "local(noise_multiplier=0)": "inf", "local(noise_multiplier=2)": f"{spent:.3g}"}
+    assert sweep_report(tmp_path / "out").splitlines()[0].startswith("| dp | epsilon | metric |")

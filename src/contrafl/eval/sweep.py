@@ -442,7 +442,7 @@ def collect(sweep: Sweep, suite: Suite, out: Path, cells: Sequence[Cell]) -> dic
     names = sweep.cells()
     for name in suite.methods:
         entry: dict[str, Any] = {"settings": {k: v for k, v in names[name]}, "seeds": [], "status": {}}
-        finals, bests, rounds, client_std = [], [], [], []
+        finals, bests, rounds, client_std, epsilons = [], [], [], [], []
         metric: Metric | None = None
         for cell in (c for c in cells if c.method == name):
             summary = read_summary(cell.path)
@@ -464,6 +464,11 @@ def collect(sweep: Sweep, suite: Suite, out: Path, cells: Sequence[Cell]) -> dic
             rounds.append(best["round"])
             if metric.std:
                 client_std.append(evaluated[-1][metric.std])
+            spent = [r for r in rows if "dp_epsilon" in r]
+            if spent:
+                epsilons.append(spent[-1]["dp_epsilon"])
+        if epsilons:
+            entry["epsilon"] = epsilons
         if metric is not None and finals:
             entry["metric"] = metric.key
             entry["final"], entry["best"], entry["best_round"] = finals, bests, rounds
@@ -476,15 +481,19 @@ def collect(sweep: Sweep, suite: Suite, out: Path, cells: Sequence[Cell]) -> dic
 
 
 def format_table(sweep: Sweep, results: Mapping[str, Any], markdown: bool = True) -> str:
-    """A row per cell: its value of every grid axis, the metric, final and best value
-    (mean ± std over seeds, in %), the client std of personalised runs and the runs'
-    states."""
+    """A row per cell: its value of every grid axis, the epsilon the runs spent (when a
+    cell ran with ``dp``: the last round's, ``inf`` without noise), the metric, final and
+    best value (mean ± std over seeds, in %), the client std of personalised runs and the
+    runs' states."""
     axes = results["axes"]
     labels = {m.key: m.label for m in METRICS}
-    header = [*axes, "metric", "final (%)", "best (%)", "best rounds", "client std (%)", "seeds", "runs"]
+    private = any("epsilon" in e for e in results["cells"].values())
+    header = [*axes, *(["epsilon"] if private else []), "metric", "final (%)", "best (%)", "best rounds", "client std (%)", "seeds", "runs"]
     table = [header]
     for name, e in results["cells"].items():
         values = [_text(e["settings"][a]) if a in e["settings"] else "-" for a in axes]
+        if private:
+            values.append(", ".join(sorted({"inf" if x is None else f"{x:.3g}" for x in e.get("epsilon", [])})) or "-")
         states = count_states(e["status"].values())
         if "final_mean" in e:
             cells = [
