@@ -391,11 +391,12 @@ class Simulation:
         """Round ``t``'s local training of clients ``cids`` in this process with the run's
         executor: ``client_begin`` on ``message_for(cid)``, the executor, ``client_end``;
         each client's next state goes to the store. The outcomes come in the order the
-        executor finishes the clients."""
+        executor finishes the clients. A client that misses ``round_deadline``
+        (:meth:`cut_at_deadline`) trains what it finished, or is lost; with ``dp=local``
+        its reply is privatized (:meth:`privatize`) before it leaves."""
         algo, cfg = self.algorithm, self.cfg
         executor = self.round_executor(phases)
         open_clients: dict[int, tuple[Context, dict[str, Any]]] = {}
-
         cuts: dict[int, dict[str, Any]] = {}
         messages: dict[int, dict[str, Any]] = {}
 
@@ -410,21 +411,18 @@ class Simulation:
 
         for job, result in executor.run(make_job, cids):
             ctx, entry = open_clients.pop(job.cid)
-            cut = cuts.pop(job.cid, None)
-            if cut is not None and not cut["done"]:
-                messages.pop(job.cid)
-            time = result.steps / self.speed(job.cid, t)
+            message, cut = messages.pop(job.cid), cuts.pop(job.cid, None)
             if cut is not None and not cut["done"]:  # dropped at the deadline: no reply, the state stays
                 yield ClientOutcome(job.cid, None, lost=f"straggler: missed round_deadline={cfg.round_deadline:g}", time=cfg.round_deadline, straggler=cut)
                 continue
             reply, state = algo.client_end(job.task, result, entry["algorithm"], ctx)
-            message = messages.pop(job.cid)
             if cfg.dp.name == "local":
                 reply = self.privatize(reply, message, t)
             entry = {"algorithm": state, "optimizer": result.opt_state if cfg.persist_optimizer_state else None}
             if entry["algorithm"] or entry["optimizer"] is not None or job.cid in self.store:
                 self.store.put(job.cid, entry)
             loss = float(result.stats["loss"]) if "loss" in result.stats else None
+            time = result.steps / self.speed(job.cid, t)
             yield ClientOutcome(job.cid, reply, loss, result.steps, parts=loss_parts(result.stats), time=time, straggler=cut)
 
     def privatize(self, reply: Reply, message: dict[str, Any], t: int) -> Reply:
