@@ -225,7 +225,7 @@ def test_deploy_prepare_only_writes_the_run_directory_and_prints_the_commands(tm
     threads = simulator_threads(load_config(run / "config.yaml"))
     assert f"FLWR_HOME=NODE_HOME flower-supernode --insecure --superlink SERVER:8000 --port 9094 --node-config \"partition-id=K run-dir='RUN_DIR' threads={threads}\"" in out
     rc = tomllib.loads((run / "flower-run.toml").read_text())
-    assert rc == {"run-dir": str(run.resolve()), "round-timeout": 90.0, "min-replies": 1, "wait-nodes": 120.0}
+    assert rc == {"run-dir": str(run.resolve()), "round-timeout": 90.0, "min-replies": 1, "wait-nodes": 120.0, "secure-aggregation": False}
     assert Partition.load(run / "partition.json").to_json() == prepare(load_config(run / "config.yaml")).partition.to_json()
 
 
@@ -244,7 +244,8 @@ def test_deploy_prepare_only_secures_several_machines_by_default(tmp_path, capsy
     assert "--ssl-keyfile" in out and " --enable-supernode-auth " in out
     assert f"flwr supernode register {keys}/node-K.pub CONNECTION" in out
     assert "flower-supernode --root-certificates RUN_DIR/flower/certs/ca.crt --auth-supernode-private-key RUN_DIR/flower/keys/node-K --superlink 10.0.0.5:8000" in out
-    assert main(["deploy", "--prepare-only", "--no-auth", "--server-host", "10.0.0.5", "--out", str(tmp_path / "tls"), "num_clients=2"]) == 0
+    assert main(["deploy", "--prepare-only", "--no-auth", "--secure-aggregation", "--server-host", "10.0.0.5", "--out", str(tmp_path / "tls"), "num_clients=2"]) == 0
+    assert tomllib.loads((tmp_path / "tls" / "flower-run.toml").read_text())["secure-aggregation"] is True
     out = capsys.readouterr().out
     assert "--ssl-keyfile" in out and "--enable-supernode-auth" not in out and "register" not in out and not (tmp_path / "tls" / "flower" / "keys").exists()
 
@@ -276,3 +277,20 @@ def test_deploy_checks_its_options_before_starting_anything(tmp_path, capsys):
     (tmp_path / "used").mkdir()
     (tmp_path / "used" / "metrics.jsonl").write_text("")
     assert "already exists and is not empty" in refused("--out", str(tmp_path / "used"))
+
+
+@pytest.mark.parametrize(
+    "settings, why",
+    [
+        (["algorithm=fedamp"], "but FedAMP's server keeps every client's model"),
+        (["algorithm=scaffold"], "but SCAFFOLD's server sums the clients' control-variate changes unweighted"),
+        (["algorithm=fedavg", "dp=central"], "but dp=central clips each update at the server"),
+        (["algorithm=fedavg", "round_deadline=5"], "but a straggler dropped at round_deadline sends no update"),
+        (["algorithm=fedbyol", "algorithm.weighting=batches"], "weighs replies by their batches"),
+        (["algorithm=fedavg", "num_clients=3", "sample_fraction=0.5"], "needs at least 2 clients per round"),
+    ],
+)
+def test_secure_aggregation_is_refused_with_one_line_where_the_server_needs_more_than_the_mean(tmp_path, capsys, settings, why):
+    assert main(["deploy", "--secure-aggregation", "--out", str(tmp_path / "run"), "num_clients=3", *settings]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.splitlines()) == 1 and why in err and "deploy without --secure-aggregation" in err, err

@@ -219,14 +219,15 @@ def cmd_deploy(ns: argparse.Namespace) -> int:
         config_path, overrides = _split_run_args(ns.args)
         cfg = load_config(config_path, overrides)
         path = Path(ns.out) if ns.out else default_run_dir(cfg.algorithm.name, cfg.dataset.name)
-    check_settings(cfg, ns.round_timeout, ns.min_replies)
+    check_settings(cfg, ns.round_timeout, ns.min_replies, ns.secure_aggregation)
     if not ns.supernode_poll > 0:
         raise ConfigError(f"--supernode-poll {ns.supernode_poll:g} must be a positive number of seconds (3 waits as long as Flower's own SuperNode)")
     tls, auth = deploy_security(ns)
     if ns.prepare_only:
         check_hosts(ns.server_host or (), tls)
         cfg = prepare_run(cfg, path)
-        print(commands(path, cfg, ns.round_timeout, ns.min_replies, server_hosts=ns.server_host or (), tls=tls, auth=auth))
+        print(commands(path, cfg, ns.round_timeout, ns.min_replies, server_hosts=ns.server_host or (), tls=tls, auth=auth,
+                       secure_aggregation=ns.secure_aggregation))
         return 0
     if not ns.resume:
         cfg = prepare_run(cfg, path)
@@ -234,6 +235,7 @@ def cmd_deploy(ns: argparse.Namespace) -> int:
           f"{' (TLS, SuperNode authentication)' if auth else ' (TLS)' if tls else ''}; run directory: {path}, Flower logs: {path / 'flower' / 'logs'}")
     result = deploy(
         cfg, path, prepared=True, tls=tls, auth=auth, round_timeout=ns.round_timeout, min_replies=ns.min_replies,
+        secure_aggregation=ns.secure_aggregation,
         supernode_poll=ns.supernode_poll, echo=sys.stdout,
     )
     print(f"Flower run {result.run_id}: {result.status} in {result.seconds:.1f}s; results in {path}")
@@ -585,6 +587,9 @@ def build_parser() -> argparse.ArgumentParser:
                            "needs TLS; the default with --prepare-only")
     auth.add_argument("--no-auth", dest="auth", action="store_false",
                       help="any SuperNode that reaches the SuperLink may join (the default on this machine)")
+    dep.add_argument("--secure-aggregation", action="store_true",
+                     help="train through Flower's SecAgg+: the server sees only the sample-weighted mean of the clients' "
+                          "updates (up to the protocol's quantisation); algorithms whose server needs single updates refuse it")
     dep.add_argument("--round-timeout", type=float, default=600.0, metavar="S",
                      help="seconds a round waits for replies before the missing clients count as lost (default 600)")
     dep.add_argument("--min-replies", type=int, default=1, metavar="N",

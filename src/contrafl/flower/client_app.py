@@ -8,6 +8,10 @@ SuperNode's worker (:mod:`contrafl.flower.worker`), a process that keeps torch, 
 client's data and its model loaded between messages, or, with the node config
 ``worker=false``, answers in this process.
 
+With the run config ``secure-aggregation=true`` a train message comes as a SecAgg+
+``FitIns`` (Flower's ``secaggplus_mod`` handles the protocol's other stages), and the
+reply goes back as the ``FitRes`` it masks (:mod:`contrafl.flower.secagg`).
+
 A node config that does not fit the run (no ``partition-id``, one that is not a client
 of the run, a ``run-dir`` without the run's files) is reported as one line, in the
 SuperNode's log and to the server: in the answer to the server's first message, the
@@ -23,8 +27,9 @@ from flwr.clientapp import ClientApp
 
 from ..errors import ConfigError, ContraflError
 from . import worker
+from .secagg import is_secure_request, reply_fitres, secure_mod, unwrap_request
 
-app = ClientApp()
+app = ClientApp(mods=[secure_mod])
 
 
 def serve(msg: Message, context: Context) -> Message:
@@ -34,13 +39,14 @@ def serve(msg: Message, context: Context) -> Message:
     try:
         settings = NodeSettings.of(context)
         settings.check()
+        request, rounding_seed = (unwrap_request(msg.content) if is_secure_request(msg.content) else (msg.content, None))
         if settings.worker:
-            content = worker.request(settings, msg.metadata.message_type, msg.content)
+            content = worker.request(settings, msg.metadata.message_type, request)
         else:
             from .client import FlowerClient
 
-            content = FlowerClient.of(settings).answer(msg.metadata.message_type, msg.content)
-        return Message(content, reply_to=msg)
+            content = FlowerClient.of(settings).answer(msg.metadata.message_type, request)
+        return Message(content if rounding_seed is None else reply_fitres(content, rounding_seed), reply_to=msg)
     except ContraflError as exc:
         return Message(Error(USER_ERROR, reported(exc)), reply_to=msg)
 

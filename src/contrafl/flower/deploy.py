@@ -20,6 +20,7 @@ from typing import TextIO
 
 import torch
 
+from .. import params as P
 from ..config import Config
 from ..engine.run_dir import RunDir, read_summary
 from ..engine.setup import cpu_cores, prepare
@@ -44,17 +45,33 @@ def prepare_run(cfg: Config, path: Path) -> Config:
     return setup.config
 
 
-def run_config(path: Path, round_timeout: float, min_replies: int, wait_nodes: float = 120.0) -> dict[str, str | float | int]:
+def run_config(
+    path: Path, round_timeout: float, min_replies: int, wait_nodes: float = 120.0, secure_aggregation: bool = False,
+) -> dict[str, str | float | int | bool]:
     """The app's run config for the run directory ``path``."""
-    return {"run-dir": str(Path(path).resolve()), "round-timeout": round_timeout, "min-replies": min_replies, "wait-nodes": wait_nodes}
+    return {
+        "run-dir": str(Path(path).resolve()), "round-timeout": round_timeout, "min-replies": min_replies,
+        "wait-nodes": wait_nodes, "secure-aggregation": secure_aggregation,
+    }
 
 
-def check_settings(cfg: Config, round_timeout: float, min_replies: int) -> None:
-    """:class:`ConfigError` unless ``round_timeout`` and ``min_replies`` fit ``cfg``."""
+def check_settings(cfg: Config, round_timeout: float, min_replies: int, secure_aggregation: bool = False) -> None:
+    """:class:`ConfigError` unless ``round_timeout`` and ``min_replies`` fit ``cfg``, and
+    unless its algorithm and settings can take ``secure_aggregation``."""
     if not 0 < round_timeout:
         raise ConfigError(f"round_timeout={round_timeout:g} must be positive (seconds a round waits for replies)")
     if not 0 <= min_replies <= cfg.num_clients:
         raise ConfigError(f"min_replies={min_replies} must be between 0 and num_clients={cfg.num_clients}")
+    if secure_aggregation:
+        from ..algorithms import ALGORITHMS
+        from .secagg import refusal
+
+        algo_cls = ALGORITHMS.get(cfg.algorithm.name)
+        why = refusal(algo_cls, P.build(algo_cls.Params, cfg.algorithm.options, "algorithm"), cfg)
+        if why is not None:
+            raise ConfigError(f"secure aggregation shows the server only the mean of the updates, but {why}; deploy without --secure-aggregation")
+        if (cfg.num_clients if cfg.sample_fraction >= 1 else int(cfg.num_clients * cfg.sample_fraction)) < 2:
+            raise ConfigError("secure aggregation (SecAgg+) needs at least 2 clients per round; sample more clients or deploy without --secure-aggregation")
 
 
 def check_hosts(server_hosts: Sequence[str], tls: bool) -> None:
@@ -71,7 +88,8 @@ def check_hosts(server_hosts: Sequence[str], tls: bool) -> None:
 
 def deploy(
     cfg: Config, path: Path, *, prepared: bool = False, tls: bool = False, auth: bool = False, round_timeout: float = 600.0,
-    min_replies: int = 1, supernode_poll: float = POLL_S, timeout: float | None = None, echo: TextIO | None = None,
+    min_replies: int = 1, secure_aggregation: bool = False, supernode_poll: float = POLL_S, timeout: float | None = None,
+    echo: TextIO | None = None,
 ) -> RunResult:
     """Run ``cfg`` on a SuperLink and ``num_clients`` SuperNodes on this machine, the
     Flower processes' homes and logs in ``path/flower``; the run directory is ``path``.
@@ -80,19 +98,21 @@ def deploy(
     ``config.yaml``. The server's output (its progress) also goes to ``echo`` when given.
     The SuperNodes are ``contrafl-supernode`` s that wait at most ``supernode_poll``
     seconds between their pulls of messages (:mod:`contrafl.flower.supernode`). ``tls``
-    and ``auth``: :class:`~contrafl.flower.launch.LocalDeployment`'s.
+    and ``auth``: :class:`~contrafl.flower.launch.LocalDeployment`'s; ``secure_aggregation``:
+    the training rounds run through SecAgg+ (:mod:`contrafl.flower.secagg`).
 
     When the deployment ends before the run does (its SuperLink or ServerApp died, or
     the caller was interrupted), the processes are stopped and ``summary.json`` says so
     (:func:`record_stop`) instead of ``running``; the checkpoint is kept for a resume."""
-    check_settings(cfg, round_timeout, min_replies)
+    check_settings(cfg, round_timeout, min_replies, secure_aggregation)
     if not prepared:
         cfg = prepare_run(cfg, path)
     try:
         with LocalDeployment(
             Path(path) / "flower", cfg.num_clients, tls=tls, auth=auth, node_configs=shared_cores(cfg.num_clients), supernode_poll=supernode_poll,
         ) as deployment:
-            return deployment.run(APP_DIR, run_config(path, round_timeout, min_replies), timeout=timeout, echo=echo)
+            rc = run_config(path, round_timeout, min_replies, secure_aggregation=secure_aggregation)
+            return deployment.run(APP_DIR, rc, timeout=timeout, echo=echo)
     except (FlowerLaunchError, KeyboardInterrupt) as exc:
         record_stop(path, exc)
         raise
@@ -152,7 +172,7 @@ SUPEREXEC_HOST = "127.0.0.1"
 
 def commands(
     path: Path, cfg: Config, round_timeout: float = 600.0, min_replies: int = 1, *,
-    server_hosts: Sequence[str] = (), tls: bool = False, auth: bool = False,
+    server_hosts: Sequence[str] = (), tls: bool = False, auth: bool = False, secure_aggregation: bool = False,
 ) -> str:
     """How to run the prepared run directory ``path`` of the resolved config ``cfg`` on a
     Flower deployment of one's own (SuperLink and SuperNodes on any machines): the
@@ -168,11 +188,11 @@ def commands(
     its private key."""
     if auth and not tls:
         raise ConfigError("SuperNode authentication needs TLS (flwr 1.41 refuses --enable-supernode-auth with --insecure); drop --insecure, or add --no-auth")
-    check_settings(cfg, round_timeout, min_replies)
+    check_settings(cfg, round_timeout, min_replies, secure_aggregation)
     check_hosts(server_hosts, tls)
     path = Path(path).resolve()
     rc = path / "flower-run.toml"
-    rc.write_text(toml_document(run_config(path, round_timeout, min_replies)))
+    rc.write_text(toml_document(run_config(path, round_timeout, min_replies, secure_aggregation=secure_aggregation)))
     server = server_hosts[0] if server_hosts else "SERVER"
     address = f"[{server}]:{SUPERLINK_PORT}" if ":" in server else f"{server}:{SUPERLINK_PORT}"
     threads = simulator_threads(cfg)

@@ -122,13 +122,21 @@ class GridTransport:
         ``({message id: cid}, {client without a node: why})``."""
         node_of = self.nodes(cids)
         sent = [
-            (cid, Message(encode({"round": t, "client": cid, "message": message_for(cid), **extra}), dst_node_id=node_of[cid], message_type=kind, group_id=str(t)))
+            (cid, Message(self.request(t, cid, message_for, extra), dst_node_id=node_of[cid], message_type=kind, group_id=str(t)))
             for cid in cids
             if cid in node_of
         ]
         cid_of = dict(zip(self.grid.push_messages([m for _, m in sent]), (cid for cid, _ in sent)))
+        return cid_of, self.missing(cids, node_of)
+
+    def request(self, t: int, cid: int, message_for: Callable[[int], dict[str, Any]], extra: dict[str, Any]) -> RecordDict:
+        """The content of client ``cid``'s message of round ``t``."""
+        return encode({"round": t, "client": cid, "message": message_for(cid), **extra})
+
+    def missing(self, cids: list[int], node_of: dict[int, int]) -> dict[int, str]:
+        """``{client without a node: why}`` among ``cids``."""
         unfit = {cid: why for cid, why in self.unfit.values() if cid is not None}
-        return cid_of, {
+        return {
             cid: unfit.get(cid, f"no SuperNode serves partition {cid} (waited wait-nodes={self.wait_nodes:g}s)")
             for cid in cids if cid not in node_of
         }
@@ -199,6 +207,58 @@ class GridTransport:
     def forget(self, cid: int) -> None:
         """Drop the node of client ``cid``: a restarted SuperNode comes back with a new id."""
         self.partition_of = {node: c for node, c in self.partition_of.items() if c != cid}
+
+
+class SecureTransport(GridTransport):
+    """A :class:`GridTransport` whose training rounds run through Flower's SecAgg+
+    (:mod:`contrafl.flower.secagg`): the server sees each client's reply with the
+    sample-weighted mean of the round's float tensors in place of its own. Evaluate
+    messages go as before.
+
+    Args (beyond :class:`GridTransport`'s):
+        context: the ServerApp's context (the workflow runs in a legacy context over it).
+        seed: the run's seed, for each client's stochastic rounding.
+        max_weight: the largest sample count of a client (SecAgg+ quantises the weights
+            by it).
+    """
+
+    def __init__(self, grid: Grid, context: Any, seed: int, max_weight: int, *args: Any, **kwargs: Any) -> None:
+        from .secagg import SecureRound
+
+        super().__init__(grid, *args, **kwargs)
+        self.seed = seed
+        self.secure = SecureRound(grid, context, self.round_timeout, float(max(1, max_weight)))
+
+    def train(
+        self, t: int, cids: list[int], message_for: Callable[[int], dict[str, Any]], phases: list[Phase]
+    ) -> Iterator[ClientOutcome]:
+        """Round ``t``'s train messages through SecAgg+; the clients' outcomes, then the
+        clients lost (no node, or the protocol did not finish). Raises as
+        :meth:`GridTransport.train` when fewer than ``min_replies`` replied."""
+        from ..rng import derive_seed
+        from .secagg import request_fitins
+
+        node_of = self.nodes(cids)
+        lost = self.missing(cids, node_of)
+        needed = min(self.min_replies, len(cids))
+        if len(node_of) < max(needed, 2):
+            raise self.too_few(t, f"{len(node_of)} of {len(cids)} clients have a SuperNode that can serve them (SecAgg+ needs 2)", lost)
+        extra = {"checkpointed": self.checkpointed()}
+        fitins = {
+            cid: request_fitins(self.request(t, cid, message_for, extra), derive_seed(self.seed, "secagg", t, cid))
+            for cid in sorted(node_of)
+        }
+        replies, failures = self.secure.run(t, node_of, fitins)
+        for cid in node_of:
+            if cid not in replies:
+                self.forget(cid)
+                lost[cid] = f"no masked reply: SecAgg+ did not finish ({'; '.join(failures) or f'no answer within {self.round_timeout:g}s'})"
+        if len(replies) < needed:
+            raise self.too_few(t, f"{len(replies)} of {len(cids)} clients replied", lost)
+        for cid in sorted(replies):
+            yield outcome_of(cid, decode(replies[cid]))
+        for cid, why in sorted(lost.items()):
+            yield ClientOutcome(cid, None, lost=why)
 
 
 def outcome_of(cid: int, tree: dict[str, Any]) -> ClientOutcome:

@@ -1,5 +1,7 @@
 """contrafl's Flower ServerApp: ``flwr run`` with run config ``run-dir`` (a run directory
-prepared by ``contrafl deploy``: its ``config.yaml`` and ``partition.json``).
+prepared by ``contrafl deploy``: its ``config.yaml`` and ``partition.json``); with
+``secure-aggregation=true`` its training rounds run through SecAgg+
+(:class:`~contrafl.flower.server.SecureTransport`).
 
 The run continues from the directory's last checkpoint (from round 0 when it has none),
 so a ServerApp started again after a crash or a kill resumes the run.
@@ -18,7 +20,7 @@ from ..engine.progress import Progress
 from ..engine.run_dir import RunDir
 from ..engine.setup import prepare
 from ..engine.simulation import resume
-from .server import GridTransport
+from .server import GridTransport, SecureTransport
 
 app = ServerApp()
 
@@ -30,9 +32,11 @@ def main(grid: Grid, context: Context) -> None:
     run_dir = RunDir(Path(str(rc["run-dir"])), resume=True)
     setup = prepare(load_config(run_dir.path / "config.yaml"))
     sim = resume(setup, run_dir, Progress(setup.config.rounds))
-    sim.transport = GridTransport(
-        grid, setup.config.num_clients, float(rc["round-timeout"]), int(rc["min-replies"]), float(rc["wait-nodes"]),
-        checkpointed=lambda: sim.checkpointed,
-    )
+    settings = (setup.config.num_clients, float(rc["round-timeout"]), int(rc["min-replies"]), float(rc["wait-nodes"]))
+    if bool(rc.get("secure-aggregation", False)):
+        largest = max(len(rows) for rows in setup.partition.train)
+        sim.transport = SecureTransport(grid, context, setup.config.seed, largest, *settings, checkpointed=lambda: sim.checkpointed)
+    else:
+        sim.transport = GridTransport(grid, *settings, checkpointed=lambda: sim.checkpointed)
     summary = sim.run()
     print(f"contrafl: {summary['status']} after {summary['rounds_completed']} rounds; results in {run_dir.path}")
