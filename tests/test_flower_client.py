@@ -225,7 +225,7 @@ def test_deploy_prepare_only_writes_the_run_directory_and_prints_the_commands(tm
     threads = simulator_threads(load_config(run / "config.yaml"))
     assert f"FLWR_HOME=NODE_HOME flower-supernode --insecure --superlink SERVER:8000 --port 9094 --node-config \"partition-id=K run-dir='RUN_DIR' threads={threads}\"" in out
     rc = tomllib.loads((run / "flower-run.toml").read_text())
-    assert rc == {"run-dir": str(run.resolve()), "round-timeout": 90.0, "min-replies": 1, "wait-nodes": 120.0, "secure-aggregation": False}
+    assert rc == {"run-dir": str(run.resolve()), "round-timeout": 90.0, "min-replies": 1, "wait-nodes": 120.0}
     assert Partition.load(run / "partition.json").to_json() == prepare(load_config(run / "config.yaml")).partition.to_json()
 
 

@@ -48,11 +48,13 @@ def prepare_run(cfg: Config, path: Path) -> Config:
 def run_config(
     path: Path, round_timeout: float, min_replies: int, wait_nodes: float = 120.0, secure_aggregation: bool = False,
 ) -> dict[str, str | float | int | bool]:
-    """The app's run config for the run directory ``path``."""
-    return {
-        "run-dir": str(Path(path).resolve()), "round-timeout": round_timeout, "min-replies": min_replies,
-        "wait-nodes": wait_nodes, "secure-aggregation": secure_aggregation,
+    """The app's run config for the run directory ``path`` (``secure-aggregation`` only
+    when set: flwr refuses a key an app does not declare, and apps built on contrafl's
+    ServerApp before it may not)."""
+    rc: dict[str, str | float | int | bool] = {
+        "run-dir": str(Path(path).resolve()), "round-timeout": round_timeout, "min-replies": min_replies, "wait-nodes": wait_nodes,
     }
+    return rc | ({"secure-aggregation": True} if secure_aggregation else {})
 
 
 def check_settings(cfg: Config, round_timeout: float, min_replies: int, secure_aggregation: bool = False) -> None:
