@@ -65,7 +65,7 @@ def test_central_noise_has_scale_z_c_over_m_and_is_one_draw_for_every_reply():
     errors); every reply counts as one sample."""
     sim = Simulation(prepare(load_config(None, [*DIGITS, "dp=central", "dp.clip=2", "dp.noise_multiplier=1.5"])))
     message = sim.algorithm.broadcast(sim.server, 0)
-    replies, clipped = sim.central_dp([still(sim, c) for c in (1, 2, 4)], {c: message for c in (1, 2, 4)}, 0)
+    replies, clipped = sim.privacy.central([still(sim, c) for c in (1, 2, 4)], {c: message for c in (1, 2, 4)}, 0)
     assert clipped == 0 and [r.num_samples for r in replies] == [1, 1, 1]
     noise = [torch.cat([u.flatten() for u in updates(r.payload, message)]) for r in replies]
     assert torch.equal(noise[0], noise[1]) and torch.equal(noise[0], noise[2])
@@ -73,16 +73,16 @@ def test_central_noise_has_scale_z_c_over_m_and_is_one_draw_for_every_reply():
     assert n > 5000
     assert float(noise[0].mean()) == pytest.approx(0, abs=5 * 1.0 / math.sqrt(n))
     assert float(noise[0].std()) == pytest.approx(1.5 * 2 / 3, rel=5 / math.sqrt(2 * n))
-    again, _ = sim.central_dp([still(sim, c) for c in (1, 2, 4)], {c: message for c in (1, 2, 4)}, 0)
+    again, _ = sim.privacy.central([still(sim, c) for c in (1, 2, 4)], {c: message for c in (1, 2, 4)}, 0)
     assert torch.equal(updates(again[0].payload, message)[0], updates(replies[0].payload, message)[0])  # from the seed
-    other, _ = sim.central_dp([still(sim, c) for c in (1, 2, 4)], {c: message for c in (1, 2, 4)}, 1)
+    other, _ = sim.privacy.central([still(sim, c) for c in (1, 2, 4)], {c: message for c in (1, 2, 4)}, 1)
     assert not torch.equal(updates(other[0].payload, message)[0], updates(replies[0].payload, message)[0])
 
 
 def test_local_noise_has_scale_z_c_and_differs_between_clients():
     sim = Simulation(prepare(load_config(None, [*DIGITS, "dp=local", "dp.clip=0.5", "dp.noise_multiplier=2"])))
     message = sim.algorithm.broadcast(sim.server, 0)
-    a, b = (sim.privatize(still(sim, c), message, 0) for c in (1, 2))
+    a, b = (sim.privacy.privatize(still(sim, c), message, 0) for c in (1, 2))
     assert a.num_samples == b.num_samples == 1
     xa, xb = (torch.cat([u.flatten() for u in updates(r.payload, message)]) for r in (a, b))
     assert float(xa.std()) == pytest.approx(1.0, rel=5 / math.sqrt(2 * xa.numel()))

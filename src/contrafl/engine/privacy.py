@@ -27,6 +27,7 @@ dp-accounting's RDP accountant.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -35,8 +36,10 @@ from typing import Any
 import torch
 
 from .. import params as P
+from ..algorithms.base import Reply
 from ..config import Config
 from ..errors import ConfigError
+from ..rng import generator
 
 DP_MODES = {
     "none": "no differential privacy (the default)",
@@ -57,9 +60,88 @@ class DPParams:
     labels: str = P.param("hide", P.OneOf(("hide", "clear")), "per-label tables: hide which labels a client holds (every label's row is sent, absent ones as zeros under the noise, and every label counts once) or send the label counts in the clear (not covered by DP)")
 
 
-def dp_params(cfg: Config) -> DPParams | None:
-    """The run's DP options, or None when ``dp=none``."""
-    return None if cfg.dp.name == "none" else P.build(DPParams, cfg.dp.options, "dp")
+class Privacy:
+    """A run's client-level DP (``dp=central`` or ``dp=local``, the module doc) and the
+    releases it has counted, which the run's checkpoint keeps (:meth:`state_dict`).
+
+    Args:
+        cfg: the run's resolved configuration (``dp`` not ``none``).
+        sampled: clients sampled per round (``m`` of the accounting).
+    """
+
+    def __init__(self, cfg: Config, sampled: int) -> None:
+        self.mode = cfg.dp.name
+        self.params: DPParams = P.build(DPParams, cfg.dp.options, "dp")
+        self.seed, self.num_clients, self.sampled = cfg.seed, cfg.num_clients, sampled
+        self.releases = 0  # central: rounds whose aggregate was released
+        self.client_releases: dict[int, int] = {}  # local: each client's noisy replies
+
+    @classmethod
+    def of(cls, cfg: Config, sampled: int) -> Privacy | None:
+        """The run's DP, or None when ``dp=none``."""
+        return None if cfg.dp.name == "none" else cls(cfg, sampled)
+
+    def privatize(self, reply: Reply, message: Any, t: int) -> Reply:
+        """``dp=local``: the reply a client sends, its per-label tables protected
+        (:func:`protect_labels`), its update clipped to ``C`` plus ``N(0, (z C)^2)`` noise
+        from the stream ``(seed, "dp", t, cid)``, counting as one sample."""
+        p = self.params
+        payload = protect_labels(reply.payload, p.rep_clip, p.labels == "hide")
+        payload, _ = clip(payload, message, p.clip)
+        noise = gaussian(updates(payload, message), p.noise_multiplier * p.clip, generator(self.seed, "dp", t, reply.cid))
+        return Reply(reply.cid, 1, add_noise(payload, message, noise))
+
+    def central(self, replies: list[Reply], messages: Mapping[int, Any], t: int) -> tuple[list[Reply], int]:
+        """``dp=central``: the replies clipped to ``C``, each counting as one sample, with
+        one draw ``xi ~ N(0, (z C / m)^2)`` from the stream ``(seed, "dp", t)`` added to
+        each of the ``m`` replies' updates (the aggregate's sum then carries
+        ``N(0, (z C)^2)``); and how many were clipped."""
+        p = self.params
+        clipped, out = 0, []
+        for r in replies:
+            payload, norm = clip(r.payload, messages[r.cid], p.clip)
+            clipped += norm > p.clip
+            out.append((r.cid, payload))
+        if not out:
+            return [], 0
+        std = p.noise_multiplier * p.clip / len(out)
+        xi = gaussian(updates(out[0][1], messages[out[0][0]]), std, generator(self.seed, "dp", t))
+        return [Reply(cid, 1, add_noise(payload, messages[cid], xi)) for cid, payload in out], clipped
+
+    @functools.cached_property
+    def accountant(self) -> Accountant:
+        """The run's accountant, built on first use: a client's process (a Flower
+        SuperNode's) needs no dp-accounting."""
+        return Accountant(self.mode, self.params.noise_multiplier, self.params.delta, self.num_clients, self.sampled)
+
+    def spent(self) -> int:
+        """The releases so far (local: of the client that has sent most)."""
+        return self.releases if self.mode == "central" else max(self.client_releases.values(), default=0)
+
+    def count(self, cids: list[int]) -> dict[str, Any]:
+        """Count a round's releases (central: the aggregate of the replies of ``cids``, if
+        any; local: each of ``cids``'s noisy reply): its row's ``dp_epsilon`` (epsilon so
+        far at ``delta``) and ``dp_releases``."""
+        if self.mode == "central":
+            self.releases += bool(cids)
+        else:
+            for cid in cids:
+                self.client_releases[cid] = self.client_releases.get(cid, 0) + 1
+        return {"dp_epsilon": self.accountant.epsilon(self.spent()), "dp_releases": self.spent()}
+
+    def summary(self) -> dict[str, Any]:
+        """The summary's ``dp`` block."""
+        return {
+            "mode": self.mode, "epsilon": self.accountant.epsilon(self.spent()), "delta": self.params.delta,
+            "releases": self.spent(), "neighbouring": self.accountant.relation,
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"releases": self.releases, "client_releases": self.client_releases}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.releases = int(state.get("releases", 0))
+        self.client_releases = {int(c): int(n) for c, n in state.get("client_releases", {}).items()}
 
 
 def map_update(payload: Any, message: Any, fn: Callable[[int, torch.Tensor], torch.Tensor]) -> Any:

@@ -21,7 +21,6 @@ TensorBoard, MLflow or CSV files (:mod:`~contrafl.engine.tracking`), after
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import tempfile
@@ -52,7 +51,7 @@ from .executor import AutocastNet, FunctionalNet, Job, PhaseRun, SequentialExecu
 from .optim import make_optimizer
 from .parallel import ParallelExecutor
 from .plan import ClientPlan, make_plan
-from .privacy import Accountant, add_noise, clip, dp_params, gaussian, protect_labels, require_accounting, updates
+from .privacy import Privacy, require_accounting
 from .progress import Progress
 from ..rng import derive_seed, generator
 from ..speeds import client_speeds, round_speed, step_budget
@@ -196,9 +195,8 @@ class Simulation:
         self.timed = cfg.client_speed != "constant" or cfg.speed_jitter > 0 or cfg.round_deadline is not None
         """Rounds record their simulated duration (``round_time``)."""
         self.fingerprint = fingerprint(cfg)
-        self.dp = dp_params(cfg)
-        self.dp_releases = 0  # central: rounds whose aggregate was released
-        self.dp_client_releases: dict[int, int] = {}  # local: each client's noisy replies
+        self.privacy = Privacy.of(cfg, len(self.schedule[0]) if self.schedule else cfg.num_clients)
+        """Client-level DP (``dp``), None without."""
         self.history: list[dict[str, Any]] = []
         self.comm_total: dict[str, dict[str, int]] = {"down": {}, "up": {}}
         self.rounds_done = 0
@@ -230,7 +228,7 @@ class Simulation:
         summary has recorded the run as ``interrupted`` or ``failed``."""
         start = time.perf_counter()
         cfg, run_dir = self.cfg, self.run_dir
-        if self.dp is not None:
+        if self.privacy is not None:
             require_accounting()  # before anything is written: the server reports epsilon
         if run_dir is not None:
             run_dir.write_config(self.cfg)
@@ -300,7 +298,7 @@ class Simulation:
                 "clients": manifest,
                 "history": self.history,
                 "comm_total": self.comm_total,
-                "privacy": {"releases": self.dp_releases, "client_releases": self.dp_client_releases},
+                "privacy": self.privacy.state_dict() if self.privacy is not None else {},
                 "wall_time_s": self.wall_time_before + seconds,
             },
             self.run_dir.checkpoint_path,
@@ -329,9 +327,8 @@ class Simulation:
         self.store.restore(checkpoint["clients"])
         self.history = list(checkpoint["history"])
         self.comm_total = checkpoint["comm_total"]
-        privacy = checkpoint.get("privacy", {})
-        self.dp_releases = int(privacy.get("releases", 0))
-        self.dp_client_releases = {int(c): int(n) for c, n in privacy.get("client_releases", {}).items()}
+        if self.privacy is not None:
+            self.privacy.load_state_dict(checkpoint.get("privacy", {}))
         self.rounds_done = self.checkpointed = int(checkpoint["round"])
         self.wall_time_before = float(checkpoint["wall_time_s"])
         if self.run_dir is not None:
@@ -393,7 +390,7 @@ class Simulation:
         each client's next state goes to the store. The outcomes come in the order the
         executor finishes the clients. A client that misses ``round_deadline``
         (:meth:`cut_at_deadline`) trains what it finished, or is lost; with ``dp=local``
-        its reply is privatized (:meth:`privatize`) before it leaves."""
+        its reply is privatized (:meth:`Privacy.privatize`) before it leaves."""
         algo, cfg = self.algorithm, self.cfg
         executor = self.round_executor(phases)
         open_clients: dict[int, tuple[Context, dict[str, Any]]] = {}
@@ -416,66 +413,14 @@ class Simulation:
                 yield ClientOutcome(job.cid, None, lost=f"straggler: missed round_deadline={cfg.round_deadline:g}", time=cfg.round_deadline, straggler=cut)
                 continue
             reply, state = algo.client_end(job.task, result, entry["algorithm"], ctx)
-            if cfg.dp.name == "local":
-                reply = self.privatize(reply, message, t)
+            if self.privacy is not None and self.privacy.mode == "local":
+                reply = self.privacy.privatize(reply, message, t)
             entry = {"algorithm": state, "optimizer": result.opt_state if cfg.persist_optimizer_state else None}
             if entry["algorithm"] or entry["optimizer"] is not None or job.cid in self.store:
                 self.store.put(job.cid, entry)
             loss = float(result.stats["loss"]) if "loss" in result.stats else None
             time = result.steps / self.speed(job.cid, t)
             yield ClientOutcome(job.cid, reply, loss, result.steps, parts=loss_parts(result.stats), time=time, straggler=cut)
-
-    def privatize(self, reply: Reply, message: dict[str, Any], t: int) -> Reply:
-        """``dp=local``: the reply a client sends, its per-label tables protected
-        (:func:`~contrafl.engine.privacy.protect_labels`), its update clipped to ``dp.clip``
-        plus ``N(0, (z C)^2)`` noise from the stream ``(seed, "dp", t, cid)``, counting as
-        one sample (:mod:`~contrafl.engine.privacy`)."""
-        assert self.dp is not None
-        payload = protect_labels(reply.payload, self.dp.rep_clip, self.dp.labels == "hide")
-        payload, _ = clip(payload, message, self.dp.clip)
-        g = generator(self.cfg.seed, "dp", t, reply.cid)
-        noise = gaussian(updates(payload, message), self.dp.noise_multiplier * self.dp.clip, g)
-        return Reply(reply.cid, 1, add_noise(payload, message, noise))
-
-    def central_dp(self, replies: list[Reply], messages: dict[int, dict[str, Any]], t: int) -> tuple[list[Reply], int]:
-        """``dp=central``: the replies clipped to ``dp.clip``, each counting as one sample,
-        with one draw ``xi ~ N(0, (z C / m)^2)`` from the stream ``(seed, "dp", t)`` added to
-        each of the ``m`` replies' updates (the aggregate's sum then carries
-        ``N(0, (z C)^2)``); and how many were clipped."""
-        assert self.dp is not None
-        clipped, out = 0, []
-        for r in replies:
-            payload, norm = clip(r.payload, messages[r.cid], self.dp.clip)
-            clipped += norm > self.dp.clip
-            out.append((r.cid, payload))
-        if not out:
-            return [], 0
-        std = self.dp.noise_multiplier * self.dp.clip / len(out)
-        xi = gaussian(updates(out[0][1], messages[out[0][0]]), std, generator(self.cfg.seed, "dp", t))
-        return [Reply(cid, 1, add_noise(payload, messages[cid], xi)) for cid, payload in out], clipped
-
-    @functools.cached_property
-    def accountant(self) -> Accountant | None:
-        """The run's privacy accountant (``None`` without ``dp``); built on first use, so
-        that a client's process (a Flower SuperNode's) needs no dp-accounting."""
-        if self.dp is None:
-            return None
-        sampled = len(self.schedule[0]) if self.schedule else self.cfg.num_clients
-        return Accountant(self.cfg.dp.name, self.dp.noise_multiplier, self.dp.delta, self.cfg.num_clients, sampled)
-
-    def privacy_row(self, cids: list[int]) -> dict[str, Any]:
-        """Count this round's releases (central: the aggregate of the replies of ``cids``,
-        if any; local: each of ``cids``'s noisy reply) and epsilon so far at ``dp.delta``
-        (local: of the client that has sent most)."""
-        assert self.accountant is not None
-        if self.cfg.dp.name == "central":
-            self.dp_releases += bool(cids)
-            releases = self.dp_releases
-        else:
-            for cid in cids:
-                self.dp_client_releases[cid] = self.dp_client_releases.get(cid, 0) + 1
-            releases = max(self.dp_client_releases.values(), default=0)
-        return {"dp_epsilon": self.accountant.epsilon(releases), "dp_releases": releases}
 
     def speed(self, cid: int, t: int) -> float:
         """Client ``cid``'s speed in round ``t`` (:func:`~contrafl.speeds.round_speed`)."""
@@ -586,10 +531,10 @@ class Simulation:
         sent = [r.cid for r in replies] + sorted(rejected)  # every reply that reached the server
         replies = [r for r in replies if r.cid not in rejected]
         privacy: dict[str, Any] = {}
-        if self.cfg.dp.name == "central":
-            replies, privacy["dp_clipped"] = self.central_dp(replies, {c: own_messages.get(c, broadcast) for c in sent}, t)
-        if self.accountant is not None:
-            privacy |= self.privacy_row([r.cid for r in replies] if cfg.dp.name == "central" else sent)
+        if self.privacy is not None and self.privacy.mode == "central":
+            replies, privacy["dp_clipped"] = self.privacy.central(replies, {c: own_messages.get(c, broadcast) for c in sent}, t)
+        if self.privacy is not None:
+            privacy |= self.privacy.count([r.cid for r in replies] if self.privacy.mode == "central" else sent)
 
         if replies:
             old = self.server.model
@@ -788,15 +733,8 @@ class Simulation:
             summary["rounds_to_target"] = rounds_to_reach(self.history, self.cfg.target_accuracy)
         seconds += self.wall_time_before
         summary["rejected_updates"] = sum(len(r.get("rejected", [])) for r in self.history)
-        if self.accountant is not None:
-            releases = self.dp_releases if self.cfg.dp.name == "central" else max(self.dp_client_releases.values(), default=0)
-            summary["dp"] = {
-                "mode": self.cfg.dp.name,
-                "epsilon": self.accountant.epsilon(releases),
-                "delta": self.dp.delta,
-                "releases": releases,
-                "neighbouring": self.accountant.relation,
-            }
+        if self.privacy is not None:
+            summary["dp"] = self.privacy.summary()
         if self.timed:
             summary["simulated_time"] = round(sum(r["round_time"] for r in self.history), 6)
             summary["straggler_replies"] = {
