@@ -205,3 +205,13 @@ def test_fedcrl_under_local_dp_sends_every_label_and_its_clipped_representation(
     plain = Simulation(prepare(load_config(None, settings)))
     plain.run_round(0)
     assert not bool(plain.server.extras["prototypes"]["mask"].all())  # 4 clients of 2 classes each do not hold all 10
+
+
+def test_noise_too_large_for_the_model_stops_the_run_with_one_line_that_names_it(tmp_path, capsys):
+    """README's warning: central noise of z C / m = 0.1 per weight on digits' model makes
+    training diverge; the run stops at the first non-finite update (exit status 3) with
+    one line that points at the DP noise, and keeps the rounds done."""
+    assert main(["run", "--quiet", "--out", str(tmp_path / "run"), "dp=central", "dp.clip=1", "dp.noise_multiplier=1"]) == 3
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "non-finite values" in err[0] and "or the DP noise (dp.noise_multiplier, dp.clip)" in err[0]
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["rounds_completed"] >= 1

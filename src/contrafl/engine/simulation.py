@@ -598,11 +598,10 @@ class Simulation:
         """Record a client update that failed validation, or stop the run
         (``on_bad_update=stop``)."""
         if self.cfg.on_bad_update == "stop":
-            advice = (
-                "training diverged: lower lr or the loss weights (e.g. algorithm.mu)"
-                if "non-finite" in reason
-                else "the client sent an update the server cannot aggregate"
-            )
+            diverged = "training diverged: lower lr or the loss weights (e.g. algorithm.mu)"
+            if self.privacy is not None:
+                diverged += ", or the DP noise (dp.noise_multiplier, dp.clip)"
+            advice = diverged if "non-finite" in reason else "the client sent an update the server cannot aggregate"
             raise ClientUpdateError(
                 f"client {cid}'s update in round {round + 1} was rejected: {reason}; {advice}, "
                 "or set on_bad_update=skip to leave such updates out of the aggregate"
