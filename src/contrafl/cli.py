@@ -232,7 +232,8 @@ def cmd_deploy(ns: argparse.Namespace) -> int:
     if not ns.resume:
         cfg = prepare_run(cfg, path)
     print(f"contrafl {__version__}: {cfg.algorithm.name} on a local Flower deployment of {cfg.num_clients} SuperNodes"
-          f"{' (TLS, SuperNode authentication)' if auth else ' (TLS)' if tls else ''}; run directory: {path}, Flower logs: {path / 'flower' / 'logs'}")
+          f"{' (TLS, SuperNode authentication)' if auth else ' (TLS)' if tls else ''}{', secure aggregation' if ns.secure_aggregation else ''}; "
+          f"run directory: {path}, Flower logs: {path / 'flower' / 'logs'}")
     result = deploy(
         cfg, path, prepared=True, tls=tls, auth=auth, round_timeout=ns.round_timeout, min_replies=ns.min_replies,
         secure_aggregation=ns.secure_aggregation,
