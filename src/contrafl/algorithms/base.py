@@ -353,6 +353,14 @@ class Algorithm:
         return None
 
     @classmethod
+    def beyond_weighted_mean(cls, params: Any) -> str | None:
+        """Why :meth:`aggregate` needs more than the sample-weighted mean of the replies'
+        payloads (all of a payload's tensors weighted by ``num_samples``), which is all
+        secure aggregation reveals; None when that mean suffices. Beyond
+        :meth:`individual_updates`: an aggregate of sums weighted otherwise."""
+        return cls.individual_updates(params)
+
+    @classmethod
     def inapplicable(cls, params: Any) -> dict[str, str]:
         """The options that have no effect with ``params``, each with the setting under
         which it would (``{"ema": "method=byol"}``): ``contrafl list`` leaves them out or

@@ -85,6 +85,10 @@ class Scaffold(FedAvg):
     paper = "Karimireddy, Kale, Mohri, Reddi, Stich, Suresh, SCAFFOLD: Stochastic Controlled Averaging for Federated Learning, ICML 2020"
     Params = ScaffoldParams
 
+    @classmethod
+    def beyond_weighted_mean(cls, params: Any) -> str | None:
+        return "SCAFFOLD's server sums the clients' control-variate changes unweighted, and SecAgg+ weighs every array by the client's sample count"
+
     # -- server ------------------------------------------------------------------------
     def init_server(self, model: StateDict) -> ServerState:
         params, _ = self.federation.split(model)

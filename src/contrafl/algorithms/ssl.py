@@ -167,6 +167,13 @@ class SelfSupervised(Algorithm):
         )
 
     @classmethod
+    def beyond_weighted_mean(cls, params: Any) -> str | None:
+        why = cls.individual_updates(params)
+        if why is None and params.weighting == "batches":
+            return f"{cls.name} with algorithm.weighting=batches weighs replies by their batches, and SecAgg+ by their samples"
+        return why
+
+    @classmethod
     def inapplicable(cls, params: Any) -> dict[str, str]:
         """The options of :class:`SSLParams` that the method does not use
         (:data:`METHOD_OPTIONS`); algorithms with options of their own (Orchestra, FedX)

@@ -56,7 +56,7 @@ from .progress import Progress
 from ..rng import derive_seed, generator
 from ..speeds import client_speeds, round_speed, step_budget
 from .run_dir import CHECKPOINT, RunDir
-from .sampling import sample_schedule
+from .sampling import clients_per_round, sample_schedule
 from .setup import Setup, choose_executor, cpu_cores
 from .signals import interrupts, signal_name, stop_point
 from .tracking import Tracking, open_tracking
@@ -195,7 +195,7 @@ class Simulation:
         self.timed = cfg.client_speed != "constant" or cfg.speed_jitter > 0 or cfg.round_deadline is not None
         """Rounds record their simulated duration (``round_time``)."""
         self.fingerprint = fingerprint(cfg)
-        self.privacy = Privacy.of(cfg, len(self.schedule[0]) if self.schedule else cfg.num_clients)
+        self.privacy = Privacy.of(cfg, clients_per_round(cfg.num_clients, cfg.sample_fraction))
         """Client-level DP (``dp``), None without."""
         self.history: list[dict[str, Any]] = []
         self.comm_total: dict[str, dict[str, int]] = {"down": {}, "up": {}}
@@ -396,19 +396,21 @@ class Simulation:
         open_clients: dict[int, tuple[Context, dict[str, Any]]] = {}
         cuts: dict[int, dict[str, Any]] = {}
         messages: dict[int, dict[str, Any]] = {}
+        speeds: dict[int, float] = {}
 
         def make_job(cid: int) -> Job:
             messages[cid] = message_for(cid)
             job, ctx, entry = self.client_job(cid, t, messages[cid], phases)
             open_clients[cid] = (ctx, entry)
-            cut = self.cut_at_deadline(cid, t, job)
+            speeds[cid] = self.speed(cid, t)
+            cut = self.cut_at_deadline(cid, speeds[cid], job)
             if cut is not None:
                 cuts[cid] = cut
             return job
 
         for job, result in executor.run(make_job, cids):
             ctx, entry = open_clients.pop(job.cid)
-            message, cut = messages.pop(job.cid), cuts.pop(job.cid, None)
+            message, cut, speed = messages.pop(job.cid), cuts.pop(job.cid, None), speeds.pop(job.cid)
             if cut is not None and not cut["done"]:  # dropped at the deadline: no reply, the state stays
                 yield ClientOutcome(job.cid, None, lost=f"straggler: missed round_deadline={cfg.round_deadline:g}", time=cfg.round_deadline, straggler=cut)
                 continue
@@ -419,22 +421,22 @@ class Simulation:
             if entry["algorithm"] or entry["optimizer"] is not None or job.cid in self.store:
                 self.store.put(job.cid, entry)
             loss = float(result.stats["loss"]) if "loss" in result.stats else None
-            time = result.steps / self.speed(job.cid, t)
+            time = result.steps / speed
             yield ClientOutcome(job.cid, reply, loss, result.steps, parts=loss_parts(result.stats), time=time, straggler=cut)
 
     def speed(self, cid: int, t: int) -> float:
         """Client ``cid``'s speed in round ``t`` (:func:`~contrafl.speeds.round_speed`)."""
         return round_speed(self.speeds[cid], self.cfg.speed_jitter, self.cfg.seed, t, cid)
 
-    def cut_at_deadline(self, cid: int, t: int, job: Job) -> dict[str, Any] | None:
-        """Apply ``round_deadline`` to client ``cid``'s ``job`` in round ``t``: ``None`` when
-        its planned steps ``K`` fit (``K / s_i <= round_deadline``, ``s_i`` its speed in the
-        round), else how it was cut:
+    def cut_at_deadline(self, cid: int, speed: float, job: Job) -> dict[str, Any] | None:
+        """Apply ``round_deadline`` to client ``cid``'s ``job`` of a round in which it runs
+        at ``speed`` (``s_i``): ``None`` when its planned steps ``K`` fit
+        (``K / s_i <= round_deadline``), else how it was cut:
         ``{"client", "speed", "planned": K, "done": k}``. With ``stragglers=partial`` the
         job keeps its first ``k = floor(round_deadline * s_i)`` steps (the same batches
         as the whole plan's first ``k``); with ``drop``, or when ``k`` is 0, it keeps none
         (``done`` 0) and the client does not reply."""
-        deadline, speed = self.cfg.round_deadline, self.speed(cid, t)
+        deadline = self.cfg.round_deadline
         planned = sum(plan.steps for plan in job.plans)
         if deadline is None or planned <= step_budget(deadline, speed):
             return None

@@ -23,6 +23,7 @@ import torch
 from .. import params as P
 from ..config import Config
 from ..engine.run_dir import RunDir, read_summary
+from ..engine.sampling import clients_per_round
 from ..engine.setup import cpu_cores, prepare
 from ..errors import ConfigError, one_line
 from .launch import FlowerLaunchError, LocalDeployment, RunResult, toml_document, toml_string
@@ -72,7 +73,7 @@ def check_settings(cfg: Config, round_timeout: float, min_replies: int, secure_a
         why = refusal(algo_cls, P.build(algo_cls.Params, cfg.algorithm.options, "algorithm"), cfg)
         if why is not None:
             raise ConfigError(f"secure aggregation shows the server only the mean of the updates, but {why}; deploy without --secure-aggregation")
-        if (cfg.num_clients if cfg.sample_fraction >= 1 else int(cfg.num_clients * cfg.sample_fraction)) < 2:
+        if clients_per_round(cfg.num_clients, cfg.sample_fraction) < 2:
             raise ConfigError("secure aggregation (SecAgg+) needs at least 2 clients per round; sample more clients or deploy without --secure-aggregation")
 
 

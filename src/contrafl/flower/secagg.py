@@ -64,15 +64,12 @@ _FLOATS = ("float16", "float32", "float64")
 
 
 def refusal(algo_cls: type, algo_params: Any, cfg: Any) -> str | None:
-    """Why a run cannot use secure aggregation, or None. The server must need only the
-    sample-weighted mean of the replies' float tensors."""
-    why = algo_cls.individual_updates(algo_params)
+    """Why a run cannot use secure aggregation, or None: its algorithm's server must need
+    only the sample-weighted mean of the replies (``Algorithm.beyond_weighted_mean``), and
+    its settings nothing of single updates."""
+    why = algo_cls.beyond_weighted_mean(algo_params)
     if why is not None:
         return why
-    if algo_cls.name == "scaffold":
-        return "SCAFFOLD's server sums the clients' control-variate changes unweighted, and SecAgg+ weighs every array by the client's sample count"
-    if getattr(algo_params, "weighting", "samples") == "batches":
-        return f"{algo_cls.name} with algorithm.weighting=batches weighs replies by their batches, and SecAgg+ by their samples"
     if cfg.dp.name == "central":
         return "dp=central clips each update at the server, which secure aggregation hides from it (dp=local adds the noise on the clients)"
     if cfg.round_deadline is not None:

@@ -20,11 +20,13 @@ from typing import Any
 from ..algorithms.base import Phase, Reply
 from ..engine.simulation import ClientOutcome, Scores
 from ..errors import ContraflError
+from ..rng import derive_seed
 from .codec import decode, encode  # first: a clear error when flwr is missing
 from flwr.app import Message, MessageType, RecordDict
 from flwr.serverapp import Grid
 
 from .node import USER_ERROR
+from .secagg import SecureRound, request_fitins
 
 POLL_S = 0.2
 
@@ -223,8 +225,6 @@ class SecureTransport(GridTransport):
     """
 
     def __init__(self, grid: Grid, context: Any, seed: int, max_weight: int, *args: Any, **kwargs: Any) -> None:
-        from .secagg import SecureRound
-
         super().__init__(grid, *args, **kwargs)
         self.seed = seed
         self.secure = SecureRound(grid, context, self.round_timeout, float(max(1, max_weight)))
@@ -235,9 +235,6 @@ class SecureTransport(GridTransport):
         """Round ``t``'s train messages through SecAgg+; the clients' outcomes, then the
         clients lost (no node, or the protocol did not finish). Raises as
         :meth:`GridTransport.train` when fewer than ``min_replies`` replied."""
-        from ..rng import derive_seed
-        from .secagg import request_fitins
-
         node_of = self.nodes(cids)
         lost = self.missing(cids, node_of)
         needed = min(self.min_replies, len(cids))
