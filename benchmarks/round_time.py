@@ -8,6 +8,7 @@ otherwise synthetic CIFAR-shaped images of the same size.
 
     python benchmarks/round_time.py                          # CPU, auto executor
     python benchmarks/round_time.py --device cuda --precision bf16
+    python benchmarks/round_time.py --device cuda --no-cuda-graphs   # every step launched eagerly
     python benchmarks/round_time.py --scaling                # 10 vs 100 clients, equal total samples
 """
 
@@ -36,7 +37,7 @@ def measure(p: dict) -> dict:
         "dataset=cifar10", f"data_dir={data_dir}", "allow_subset=true", "model=moon_cnn",
         f"num_clients={p['clients']}", "partition=dirichlet", "partition.beta=0.5", "local_epochs=10",
         "batch_size=64", "rounds=100", f"algorithm={p['algorithm']}", f"executor={p['executor']}",
-        f"device={p['device']}", f"precision={p['precision']}",
+        f"device={p['device']}", f"precision={p['precision']}", f"cuda_graphs={p['cuda_graphs']}",
     ]
     if p["algorithm"] == "moon":
         overrides.append("algorithm.mu=5")
@@ -49,8 +50,12 @@ def measure(p: dict) -> dict:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
         steps.append(row["local_steps"])
+    from contrafl.engine.cuda_graphs import StepGraphs
+
+    graphs = "off" if not (p["cuda_graphs"] and sim.device.type == "cuda" and sim.executor_name == "vectorized") \
+        else f"failed ({StepGraphs.failed})" if StepGraphs.failed else "on"
     return {"seconds": times, "steps": steps, "executor": sim.executor_name, "device": str(sim.device),
-            "train_samples": len(sim.train), "test_acc": row.get("test_acc")}
+            "train_samples": len(sim.train), "test_acc": row.get("test_acc"), "cuda_graphs": graphs}
 
 
 def main() -> None:
@@ -63,6 +68,8 @@ def main() -> None:
     parser.add_argument("--executor", default="auto", choices=["auto", "sequential", "parallel", "vectorized"])
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
+    parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
+                        help="replay the vectorized executor's steps as CUDA graphs on a GPU (the run's cuda_graphs)")
     parser.add_argument("--scaling", action="store_true", help="compare 10 and 100 clients at equal total samples")
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args()
@@ -75,12 +82,13 @@ def main() -> None:
     results = []
     for n in client_counts:
         p = {"data_dir": args.data_dir, "algorithm": args.algorithm, "clients": n, "rounds": args.rounds,
-             "executor": args.executor, "device": args.device, "precision": args.precision}
+             "executor": args.executor, "device": args.device, "precision": args.precision,
+             "cuda_graphs": args.cuda_graphs}
         r = run_isolated(Path(__file__), p)
         per_round = r["seconds"][-1]
         total_100 = r["seconds"][0] + 99 * per_round
         print(f"{args.algorithm}, {n} clients x 10 local epochs ({r['train_samples']} samples), executor {r['executor']}, "
-              f"device {r['device']}, {args.precision}:")
+              f"device {r['device']}, {args.precision}, CUDA graphs {r['cuda_graphs']}:")
         for t, (s, k) in enumerate(zip(r["seconds"], r["steps"])):
             print(f"  round {t}: {s:.2f} s ({k} local steps, {k * 64 / s:.0f} samples/s)")
         print(f"  => {per_round:.2f} s per round; 100 rounds ~ {total_100:.0f} s ({total_100 / 60:.1f} min); "

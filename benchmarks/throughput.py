@@ -21,6 +21,7 @@ local training of one round (MOON: the second round, which has the contrastive t
 
     python benchmarks/throughput.py                       # all, CPU
     python benchmarks/throughput.py --clients 10 --algorithms moon --device cuda
+    python benchmarks/throughput.py --modes sequential,vectorized --device cuda --precision bf16
 """
 
 from __future__ import annotations
@@ -78,6 +79,7 @@ def measure(p: dict) -> dict:
             "dataset=cifar10", f"data_dir={data_dir}", "allow_subset=true", "model=moon_cnn",
             f"num_clients={n}", "partition=iid", f"local_epochs={epochs}", "batch_size=64",
             "rounds=3", "eval_every=1000", f"algorithm={algo}", f"executor={mode}", f"device={p['device']}",
+            f"precision={p['precision']}",
         ]
         if algo == "moon":
             overrides.append("algorithm.mu=5")
@@ -184,6 +186,8 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=1, help="local epochs per client")
     parser.add_argument("--rows", type=int, default=20000, help="synthetic CIFAR-shaped training images shared by the clients")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "auto"],
+                        help="precision of contrafl's executors (the reference modes run in fp32)")
     parser.add_argument("--repeat", type=int, default=1,
                         help="measure every mode this many times, round-robin, and report the fastest")
     parser.add_argument("--json", help="also write the results to this file")
@@ -194,7 +198,7 @@ def main() -> None:
     _, data = cifar_dir(args.rows)
     modes = args.modes.split(",")
     print(f"machine: {machine()}")
-    print(f"data: {data}; {args.epochs} local epoch(s), batch 64, MOON's simple CNN"
+    print(f"data: {data}; {args.epochs} local epoch(s), batch 64, MOON's simple CNN, contrafl in {args.precision}"
           + (f"; fastest of {args.repeat} measurements (range in brackets)" if args.repeat > 1 else ""))
     print(f"{'algorithm':<9} {'clients':>7} {'mode':<15} {'samples/s':>10} {'vs ref':>7} {'seconds':>8} {'peak RSS MB':>11}")
     results = []
@@ -204,7 +208,7 @@ def main() -> None:
             for _ in range(args.repeat):  # round-robin, so that slow spells of the machine hit every mode
                 for mode in modes:
                     p = {"algorithm": algo, "clients": n, "mode": mode, "epochs": args.epochs,
-                         "rows": args.rows, "device": args.device}
+                         "rows": args.rows, "device": args.device, "precision": args.precision}
                     runs[mode].append({**p, **run_isolated(Path(__file__), p)})
             best = {mode: max(rs, key=lambda r: r["samples_per_s"]) for mode, rs in runs.items()}
             base = best["reference"]["samples_per_s"] if "reference" in best else None

@@ -409,3 +409,55 @@ def test_a_head_phase_then_a_body_phase_by_hand():
         torch.testing.assert_close(result.params["head"][k], h1[k])
     for k in body:
         torch.testing.assert_close(result.params["body"][k], b1[k])
+
+
+# -- CUDA graphs (the bookkeeping, with a stand-in graph; tests/test_cuda.py runs real ones) --
+class _RecordedGraph:
+    """A CUDA graph's contract: capturing records the step without running it; a replay
+    runs what was recorded."""
+
+    fail = False
+
+    def capture(self, step):
+        if self.fail:
+            raise RuntimeError("operation not permitted when stream is capturing\nmore")
+        self.step = step
+
+    def replay(self):
+        self.step()
+
+
+def test_step_graphs_warm_up_then_capture_then_replay():
+    from contrafl.engine.cuda_graphs import MIN_REPLAYS, StepGraphs
+
+    done = []
+    graphs = StepGraphs(True, new_graph=_RecordedGraph)
+    for s in range(20):  # 20 steps of 10 clients, then 5 of 3 (too few to capture)
+        graphs.run(10, 20 - s, lambda: done.append(10))
+    for s in range(5):
+        graphs.run(3, 5 - s, lambda: done.append(3))
+    assert done == [10] * 20 + [3] * 5  # every step done once
+    assert graphs.replays == 19 and set(graphs.graphs) == {10}  # the first step of a shape runs eagerly
+    assert 5 < MIN_REPLAYS
+
+
+def test_step_graphs_fall_back_to_eager_steps_when_a_capture_fails():
+    from contrafl.engine.cuda_graphs import StepGraphs
+
+    class Failing(_RecordedGraph):
+        fail = True
+
+    done = []
+    graphs = StepGraphs(True, new_graph=Failing)
+    with pytest.warns(RuntimeWarning, match=r"captured as a CUDA graph \(RuntimeError: operation not permitted when stream is capturing\); steps run eagerly"):
+        for s in range(12):
+            graphs.run(4, 12 - s, lambda: done.append(s))
+    assert done == list(range(12)) and graphs.replays == 0 and not graphs.enabled
+    assert StepGraphs.failed is None  # a stand-in's failure does not switch off the process's real graphs
+
+
+def test_step_graphs_only_on_a_gpu():
+    from contrafl.engine.cuda_graphs import StepGraphs
+
+    assert not StepGraphs.for_device(torch.device("cpu"), True).enabled
+    assert not StepGraphs.for_device(torch.device("cuda"), False).enabled

@@ -142,6 +142,20 @@ def contrafl_accuracy(run_dir: Path, rounds: int) -> tuple[float | None, float |
     return by_round.get(rounds), by_round.get(rounds - 1), key
 
 
+def pfllib_round_seconds(out: str) -> list[float]:
+    """PFLlib's per-round times (training and that round's evaluation): its servers print
+    them as ``----- time cost ----- T`` (FedAvg, ...) or as a rule of 50 dashes and ``T`` (MOON, ...)."""
+    return [float(m) for m in re.findall(r"^-+(?: time cost -+)? ([0-9.]+(?:e-?[0-9]+)?)$", out, flags=re.M)]
+
+
+def contrafl_round_seconds(run_dir: Path) -> list[float]:
+    """contrafl's per-round seconds (timing.jsonl: training, aggregation, evaluation)."""
+    path = run_dir / "timing.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line)["seconds"] for line in path.read_text().splitlines() if line.strip()]
+
+
 def fmt(x: float | None) -> str:
     return "-" if x is None else f"{x:.3f}"
 
@@ -161,6 +175,7 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=0.005)
     p.add_argument("--beta", type=float, default=0.1, help="Dirichlet concentration (PFLlib's default alpha)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where both programs train (PFLlib's -dev)")
     p.add_argument("--json", type=Path, help="also write the results here")
     p.add_argument("--bf16", action="store_true",
                    help="also time contrafl with precision=auto (bfloat16 autocast where the CPU has AMX or AVX512-BF16) "
@@ -184,15 +199,16 @@ def main() -> None:
     results = []
     for algo in a.algorithms:
         peer_algo, peer_flags, cf_overrides = ALGORITHMS[algo]
-        cf_base = contrafl_command(a.python) + ["run"] + common_overrides(a) + cf_overrides
+        cf_base = contrafl_command(a.python) + ["run"] + common_overrides(a) + cf_overrides + [f"device={a.device}"]
         peer_cmd = [a.python, "-u", "main.py", "-data", name, "-m", "CNN", "-algo", peer_algo,
                     "-gr", str(a.rounds - 1), "-ls", str(a.local_epochs), "-lbs", str(a.batch_size),
                     "-lr", str(a.lr), "-nc", str(a.clients), "-jr", "1", "-eg", "1", "-t", "1",
-                    "-dev", "cpu"] + peer_flags
+                    "-dev", a.device] + peer_flags
         print(f"\n=== {algo}")
         print(f"contrafl: {show(cf_base + ['--out', str(a.work / f'contrafl-{algo}-K'), '--quiet'])}")
         print(f"PFLlib:   {show(peer_cmd, pfllib / 'system')}")
         times: dict[str, list[float]] = {"contrafl": [], "pfllib": [], "contrafl_bf16": []}
+        rounds: dict[str, list[float]] = {"contrafl": [], "pfllib": [], "contrafl_bf16": []}  # per round, all but the first
         accs: dict[str, list] = {"contrafl": [], "pfllib": [], "contrafl_bf16": []}
         for k in range(a.repeats):
             if a.bf16:
@@ -201,6 +217,7 @@ def main() -> None:
                 if rc == 0:
                     last, prev, key = contrafl_accuracy(out_dir, a.rounds)
                     times["contrafl_bf16"].append(wall)
+                    rounds["contrafl_bf16"] += contrafl_round_seconds(out_dir)[1:]
                     accs["contrafl_bf16"].append((last, prev))
                     print(f"  run {k}: contrafl precision=auto {wall:7.1f} s  {key} after {a.rounds} rounds {fmt(last)}, "
                           f"after {a.rounds - 1} {fmt(prev)}   (load {load()})")
@@ -212,6 +229,7 @@ def main() -> None:
                 break
             last, prev, key = contrafl_accuracy(out_dir, a.rounds)
             times["contrafl"].append(wall)
+            rounds["contrafl"] += contrafl_round_seconds(out_dir)[1:]
             accs["contrafl"].append((last, prev))
             print(f"  run {k}: contrafl {wall:7.1f} s  {key} after {a.rounds} rounds {fmt(last)}, "
                   f"after {a.rounds - 1} {fmt(prev)}   (load {load()})")
@@ -222,6 +240,7 @@ def main() -> None:
                 break
             last, best = pfllib_accuracy(out)
             times["pfllib"].append(wall)
+            rounds["pfllib"] += pfllib_round_seconds(out)[1:]
             accs["pfllib"].append((last, best))
             print(f"  run {k}: PFLlib   {wall:7.1f} s  Averaged Test Accuracy after {a.rounds - 1} rounds "
                   f"{last}, best {best}   (load {load()})")
@@ -229,7 +248,14 @@ def main() -> None:
             continue
         m_cf, m_peer = median(times["contrafl"]), median(times["pfllib"])
         print(f"  median: contrafl {m_cf:.1f} s, PFLlib {m_peer:.1f} s -> PFLlib / contrafl = {m_peer / m_cf:.2f}x")
+        if rounds["contrafl"] and rounds["pfllib"]:
+            r_cf, r_peer = median(rounds["contrafl"]), median(rounds["pfllib"])
+            print(f"  median round (after the first): contrafl {r_cf:.2f} s, PFLlib {r_peer:.2f} s -> {r_peer / r_cf:.2f}x"
+                  + (f"; precision=auto {median(rounds['contrafl_bf16']):.2f} s -> {r_peer / median(rounds['contrafl_bf16']):.2f}x"
+                     if rounds["contrafl_bf16"] else ""))
         result = {"algorithm": algo, "contrafl_s": times["contrafl"], "pfllib_s": times["pfllib"],
+                  "contrafl_round_s": rounds["contrafl"], "pfllib_round_s": rounds["pfllib"],
+                  "contrafl_bf16_round_s": rounds["contrafl_bf16"],
                   "contrafl_acc_last_prev": accs["contrafl"], "pfllib_acc_last_best": accs["pfllib"],
                   "ratio": m_peer / m_cf}
         if times["contrafl_bf16"]:

@@ -145,6 +145,7 @@ class Config:
     on_bad_update: str = P.param("stop", P.OneOf(("stop", "skip")), "a client update that fails validation stops the run, or is left out of the round's aggregate")
     update_outlier_factor: float = P.param(0.0, _nonneg, "reject an update whose norm is more than this many times the round's median update norm; 0 = off")
     vectorize_memory_gb: float = P.param(2.0, _pos, "memory budget of one vectorized chunk of clients")
+    cuda_graphs: bool = P.param(True, None, "vectorized executor on a GPU: replay each training step as a CUDA graph (a step that cannot be captured runs eagerly, with a warning)")
     tracking: str = P.param("none", Trackers(), "where else to log the config, every round's metrics and the summary: none, or tensorboard, mlflow, csv, several comma-separated (docs/tracking.md; pip install \"contrafl[tracking]\")")
     tracking_uri: str | None = P.param(None, None, "MLflow tracking URI (auto: $MLFLOW_TRACKING_URI, else a SQLite store in RUN_DIR/mlflow)")
 
@@ -173,6 +174,7 @@ EXECUTION_SETTINGS = (
     "eval_batch_size",
     "client_memory_gb",
     "vectorize_memory_gb",
+    "cuda_graphs",
     "checkpoint_every",
     "tracking",
     "tracking_uri",

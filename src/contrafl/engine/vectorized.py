@@ -30,6 +30,7 @@ from torch.utils import _pytree as pytree
 from ..algorithms.base import Batch, Stage, TaskView, TrainResult
 from ..data.augment import view_transform
 from .client_store import state_bytes
+from .cuda_graphs import StepGraphs
 from .executor import (
     Job,
     SequentialExecutor,
@@ -110,9 +111,10 @@ class VectorizedExecutor:
 
     name = "vectorized"
 
-    def __init__(self, workload: Workload, memory_bytes: float) -> None:
+    def __init__(self, workload: Workload, memory_bytes: float, cuda_graphs: bool = True) -> None:
         self.workload = workload
         self.memory_bytes = memory_bytes
+        self.cuda_graphs = cuda_graphs  # on a CUDA device: replay steps as CUDA graphs (cuda_graphs.py)
         self._grad_fns: dict[tuple, Callable] = {}
 
     def client_bytes(self, job: Job) -> int:
@@ -200,26 +202,35 @@ class VectorizedExecutor:
                 for k, v in view.items():
                     dst[k][i, : plan.steps] = v[:n].view((plan.steps, B) + v.shape[1:])
 
+        # the batch and noise of the current step, at fixed addresses: a step reads only
+        # these and the stacked state, so that it can be replayed as a CUDA graph
+        batch_rows = torch.zeros(K, B, dtype=torch.long, device=w.x.device)
+        batch_augs = [{k: v.new_zeros((K,) + v.shape[2:]) for k, v in view.items()} for view in augs]
+        noise_shapes = [[stage.noise] * stage.repeat for stage in phase.stages]
+        batch_noise = [[{name: torch.zeros((K, *shape), device=w.x.device) for name, shape in spec} for spec in reps]
+                       for reps in noise_shapes]
         totals: dict[str, torch.Tensor] = {}
         noise_gens = [noise_generator(job, p) for job in jobs]
+        graphs = StepGraphs.for_device(w.x.device, self.cuda_graphs)
         if p == 0:
             seed_global(jobs[0].seed, w.x.device)
-        for s in range(S):
-            a = sum(1 for n in steps if n > s)
-            r = rows[:a, s]
+
+        def step(a: int) -> None:
+            r = batch_rows[:a]
             raw = w.x[r]
             views = [
-                view_transform(w.transform, i)(raw, {k: v[:a, s] for k, v in view.items()}) for i, view in enumerate(augs)
+                view_transform(w.transform, i)(raw, {k: v[:a] for k, v in view.items()})
+                for i, view in enumerate(batch_augs)
             ]
             x = views[0] if len(views) == 1 else torch.stack(views, dim=1)
             y = w.y[r]
-            for stage, ks, ts, state, uses in zip(phase.stages, keys, tensors, opt_states, used):
+            for stage, ks, ts, state, uses, stage_noise in zip(phase.stages, keys, tensors, opt_states, used, batch_noise):
                 trained = {role for role, _ in ks}
-                for _ in range(stage.repeat):
+                for rep in range(stage.repeat):
                     bufs = {role: {k: v[:a] for k, v in sd.items()} for role, sd in buffers.items()}
                     fz = slice_tree(frozen, frozen_dims, a)
                     cs = slice_tree(consts, consts_dims, a)
-                    noise = _stack_noise([draw_noise(stage, g, w.x.device) for g in noise_gens[:a]])
+                    noise = {name: t[:a] for name, t in stage_noise[rep].items()}
                     if stage.pre_step is not None:
                         update = self._update_fn(stage.pre_step, frozen_dims, consts_dims)
                         set_values(params, update(_sliced(params, a), bufs, fz, cs, x, y, noise), a)
@@ -239,6 +250,18 @@ class VectorizedExecutor:
                         if k not in totals:
                             totals[k] = torch.zeros((K,) + v.shape[1:], device=v.device)
                         totals[k][:a] += v
+
+        for s in range(S):
+            a = sum(1 for n in steps if n > s)
+            batch_rows[:a].copy_(rows[:a, s])
+            for view, dst in zip(augs, batch_augs):
+                for k, v in view.items():
+                    dst[k][:a].copy_(v[:a, s])
+            for stage, reps in zip(phase.stages, batch_noise):  # the clients' streams, in the eager order
+                for dst in reps:
+                    for name, t in _stack_noise([draw_noise(stage, g, w.x.device) for g in noise_gens[:a]]).items():
+                        dst[name][:a].copy_(t)
+            graphs.run(a, steps[a - 1] - s, lambda a=a: step(a))
             for i in range(a):
                 if s in jobs[i].plans[p].epoch_ends:
                     for name, role in tasks[0].snapshots.items():

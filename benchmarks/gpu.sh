@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The GPU measurements of docs/performance.md in one go, each step capped in time and
+# logged, most important first, so that a short lease still brings back the first ones:
+#   1. MOON's CIFAR-10 round in the paper's setting (round_time.py), vectorized, fp32 and bf16
+#      with CUDA graphs, and fp32 without them (every step launched eagerly)
+#   2. the CUDA tests: executors against each other, against the CPU, and steps replayed
+#      from CUDA graphs against eager steps (tests/test_cuda.py)
+#   3. contrafl against PFLlib on the same GPU (peers/pfllib.py), FedAvg and MOON
+#   4. local-training throughput of the sequential and vectorized executors (throughput.py)
+#
+#   bash benchmarks/gpu.sh CIFAR_DIR PFLLIB_CHECKOUT LOG_DIR
+#
+# CIFAR_DIR: a cifar-10-batches-py folder (the subset in ../shared/data works); PFLLIB_CHECKOUT:
+# see benchmarks/peers/README.md (the PFLlib step is skipped when it is "-").
+set -u
+data=${1:?CIFAR_DIR}; pfllib=${2:?PFLLIB_CHECKOUT or -}; logs=${3:?LOG_DIR}
+here=$(cd "$(dirname "$0")" && pwd)
+mkdir -p "$logs"
+export PYTHONUNBUFFERED=1
+step() {  # step NAME SECONDS COMMAND...: run it with a time cap, log to LOG_DIR/NAME.log
+    local name=$1 cap=$2; shift 2
+    echo "=== $name ($(date +%T), cap ${cap}s): $*"
+    local start=$SECONDS
+    timeout "$cap" "$@" > "$logs/$name.log" 2>&1
+    local rc=$?
+    tail -n 25 "$logs/$name.log"
+    echo "=== $name: exit $rc after $((SECONDS - start)) s"
+}
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
+python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(0))"
+
+step round_time_fp32 90 python3 "$here/round_time.py" --device cuda --executor vectorized --precision fp32
+step round_time_bf16 90 python3 "$here/round_time.py" --device cuda --executor vectorized --precision bf16
+step round_time_eager 90 python3 "$here/round_time.py" --device cuda --executor vectorized --precision fp32 --no-cuda-graphs
+step cuda_tests 150 python3 -m pytest -q -p no:cacheprovider "$here/../tests/test_cuda.py" \
+    "$here/../tests/test_augment.py" "$here/../tests/test_representation.py" -k "cuda"
+if [ "$pfllib" != "-" ]; then
+    step pfllib 160 python3 "$here/peers/pfllib.py" --pfllib "$pfllib" --data-dir "$data" --device cuda \
+        --algorithms fedavg moon --repeats 1 --bf16 --work /tmp/contrafl-peers/pfllib
+fi
+step throughput 80 python3 "$here/throughput.py" --device cuda --algorithms moon --clients 10,100 \
+    --modes sequential,vectorized

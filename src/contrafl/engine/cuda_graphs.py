@@ -1,0 +1,85 @@
+"""CUDA graphs of the vectorized executor's training step.
+
+On a GPU a step of a small model over a chunk of clients is a thousand or more tiny
+kernels, and their launches from Python (through ``torch.func``'s vmap) cost several
+times the kernels' own run time. A step captured once as a CUDA graph is replayed with
+one launch. A step reads its inputs from tensors that stay at the same addresses (the
+stacked parameters, buffers and optimiser states it updates in place, and the batch
+buffers the executor fills before each step), so its graph can be replayed for every
+later step with the same number of active clients.
+
+:class:`StepGraphs` decides per step: run it eagerly (the first step of a shape, which
+also warms up cuDNN and allocates what the step creates once), capture it, or replay the
+captured graph. Capturing costs about as much as a few eager steps, so a shape is only
+captured when at least :data:`MIN_REPLAYS` steps will use it. A step that cannot be
+captured (an operation that waits for the GPU, a shape decided by the data) is run
+eagerly, and so is every later step of the process, with one warning: nothing of it was
+executed during the failed capture, so the eager step does the work exactly once.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable, Hashable
+
+import torch
+
+MIN_REPLAYS = 8  # steps a captured graph must serve to pay for its capture
+
+
+class StepGraphs:
+    """Eager, capture or replay for each step; one graph per key (the active clients)."""
+
+    failed: str | None = None  # why a capture on the GPU failed in this process (then: no more tries)
+
+    def __init__(self, enabled: bool, new_graph: Callable[[], Any] | None = None) -> None:
+        self.enabled = enabled
+        self.new_graph = new_graph or torch.cuda.CUDAGraph
+        self.graphs: dict[Hashable, Any] = {}
+        self.warm: set[Hashable] = set()
+        self.pool: Any = None
+        self.failure: str | None = None
+        self.replays = 0
+
+    @classmethod
+    def for_device(cls, device: torch.device, wanted: bool) -> "StepGraphs":
+        return cls(wanted and device.type == "cuda" and StepGraphs.failed is None)
+
+    def run(self, key: Hashable, remaining: int, step: Callable[[], None]) -> None:
+        """Do ``step`` (which reads only fixed-address tensors) for ``key``, of which
+        ``remaining`` steps (this one included) are left."""
+        graph = self.graphs.get(key)
+        if graph is not None:
+            graph.replay()
+            self.replays += 1
+            return
+        if not self.enabled or key not in self.warm or remaining < MIN_REPLAYS:
+            self.warm.add(key)
+            step()
+            return
+        graph = self.new_graph()
+        try:
+            self._capture(graph, step)
+        except Exception as exc:  # noqa: BLE001 - any failure to capture means: run eagerly
+            self.enabled = False
+            self.failure = f"{type(exc).__name__}: {exc}".splitlines()[0]
+            if isinstance(graph, torch.cuda.CUDAGraph):
+                StepGraphs.failed = self.failure
+            warnings.warn(f"a training step could not be captured as a CUDA graph ({self.failure}); "
+                          "steps run eagerly from now on (set cuda_graphs=false to skip the attempt)",
+                          RuntimeWarning, stacklevel=2)
+            step()
+            return
+        self.graphs[key] = graph
+        graph.replay()
+        self.replays += 1
+
+    def _capture(self, graph: Any, step: Callable[[], None]) -> None:
+        if isinstance(graph, torch.cuda.CUDAGraph):
+            torch.cuda.synchronize()
+            with torch.cuda.graph(graph, pool=self.pool):
+                step()
+            # graphs captured one after another into one pool and replayed in that order
+            self.pool = graph.pool()
+        else:  # a test double
+            graph.capture(step)

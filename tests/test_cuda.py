@@ -1,0 +1,122 @@
+"""On a CUDA device: the executors agree with each other and with the CPU.
+
+Skipped without a GPU (CI has none); run on one with ``pytest tests/test_cuda.py``.
+cuDNN's TF32 convolutions (PyTorch's default on Ampere and later) are switched off here,
+so that a difference is the code's and not TF32's 10-bit mantissa; with them on, runs
+stay within the bf16 test's 2% (``test_tf32_and_bf16_stay_close_to_fp32``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import simulate
+from test_datasets import write_cifar10
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+# one per kind of local work: plain CE, frozen models, proximal terms and control variates,
+# prototypes, personal models and phases, adaptive aggregation, self-supervised pairs
+ALGORITHMS = [
+    ["algorithm=fedavg"],
+    ["algorithm=moon", "algorithm.mu=5", "algorithm.k=2"],
+    ["algorithm=fedprox", "algorithm.mu=0.1"],
+    ["algorithm=scaffold"],
+    ["algorithm=fedcrl"],
+    ["algorithm=fedproto"],
+    ["algorithm=ditto"],
+    ["algorithm=fedrep"],
+    ["algorithm=fedala"],
+    ["algorithm=fedssc"],
+    ["algorithm=fedsiam_da"],
+    ["algorithm=fedu2", "augment=simclr"],
+]
+# BYOL's normalised predictor on random pixels amplifies rounding: two CPU executors already
+# differ by 3e-3 after a round (float order, not a bug); for it the first losses are compared
+LOSSES_ONLY = {"algorithm=fedu2"}
+
+
+@pytest.fixture
+def cifar(tmp_path):
+    write_cifar10(tmp_path / "cifar-10-batches-py", rows=64, test_rows=16)
+    return [f"data_dir={tmp_path}", "dataset=cifar10", "allow_subset=true", "batch_size=8"]
+
+
+@pytest.fixture
+def no_tf32():
+    before = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cudnn.allow_tf32 = before
+
+
+def assert_models_close(a, b, atol):
+    assert a.server.model.keys() == b.server.model.keys()
+    for k, v in a.server.model.items():
+        torch.testing.assert_close(b.server.model[k].cpu(), v.cpu(), rtol=0, atol=atol, msg=lambda m: f"{k}: {m}")
+
+
+@pytest.mark.usefixtures("no_tf32")
+@pytest.mark.parametrize("algorithm", ALGORITHMS, ids=lambda a: a[0].split("=")[1])
+def test_vectorized_equals_sequential_and_the_cpu(algorithm, cifar):
+    seq = simulate(*algorithm, *cifar, "device=cuda", "executor=sequential")
+    vec = simulate(*algorithm, *cifar, "device=cuda", "executor=vectorized")
+    cpu = simulate(*algorithm, *cifar, "device=cpu", "executor=sequential")
+    assert seq.device.type == vec.device.type == "cuda"
+    if algorithm[0] in LOSSES_ONLY:
+        for run in (vec, cpu):
+            assert run.history[0]["train_loss"] == pytest.approx(seq.history[0]["train_loss"], rel=1e-3)
+        return
+    assert_models_close(seq, vec, atol=1e-4)
+    assert_models_close(cpu, seq, atol=1e-4)
+    for a, b in zip(cpu.history, seq.history):
+        assert b["train_loss"] == pytest.approx(a["train_loss"], rel=1e-4)
+
+
+@pytest.mark.usefixtures("no_tf32")
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_steps_replayed_as_cuda_graphs_equal_eager_steps(tmp_path, monkeypatch, precision):
+    """The vectorized executor's steps replayed from CUDA graphs compute what eager steps
+    compute (MOON: three networks, autograd, SGD with momentum, flip-and-crop), and they
+    are replayed: all steps of a round but the first (eager), the second captured first."""
+    from contrafl.engine.cuda_graphs import StepGraphs
+
+    replays = []
+    run = StepGraphs.run
+
+    def counted(self, key, remaining, step):
+        before = self.replays
+        run(self, key, remaining, step)
+        replays.append(self.replays - before)
+
+    monkeypatch.setattr(StepGraphs, "run", counted)
+    write_cifar10(tmp_path / "cifar-10-batches-py", rows=512, test_rows=16)
+    args = [f"data_dir={tmp_path}", "dataset=cifar10", "allow_subset=true", "batch_size=8", "partition=iid",
+            "algorithm=moon", "algorithm.mu=5", "device=cuda", "executor=vectorized", f"precision={precision}"]
+    eager = simulate(*args, "cuda_graphs=false")
+    assert sum(replays) == 0
+    graphed = simulate(*args, "cuda_graphs=true")
+    assert StepGraphs.failed is None
+    steps = [row["local_steps"] // 4 for row in graphed.history]  # 4 clients with equal shares
+    assert sum(replays) == sum(n - 1 for n in steps) and min(steps) > 8
+    assert_models_close(eager, graphed, atol=1e-5)
+    for a, b in zip(eager.history, graphed.history):
+        assert b["train_loss"] == pytest.approx(a["train_loss"], rel=1e-5)
+
+
+def test_tf32_and_bf16_stay_close_to_fp32(cifar):
+    """PyTorch's default TF32 convolutions and precision=bf16 change a MOON run's losses by
+    little (within 2%, as on the CPU); bf16 also under the vectorized executor."""
+    run = ["algorithm=moon", "algorithm.mu=5", *cifar, "device=cuda", "executor=sequential"]
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        fp32 = simulate(*run).history
+    finally:
+        torch.backends.cudnn.allow_tf32 = True
+    tf32 = simulate(*run).history
+    bf16 = simulate(*run, "precision=bf16").history
+    bf16_vec = simulate(*run, "precision=bf16", "executor=vectorized").history
+    for other in (tf32, bf16, bf16_vec):
+        for a, b in zip(fp32, other):
+            assert b["train_loss"] == pytest.approx(a["train_loss"], rel=0.02)
