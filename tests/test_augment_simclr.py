@@ -329,3 +329,23 @@ def test_simclr_uint8_and_float_inputs_agree() -> None:
     transform = AUGMENTATIONS.get("simclr")(MEAN, STD)
     params = transform.sample(8, torch.Generator().manual_seed(2))
     torch.testing.assert_close(transform(x.float() / 255, params), transform(x, params), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("k", range(4))
+def test_colour_jitter_masked_equals_selected(k):
+    """The GPU form of ColorJitter (every image adjusted, the result kept where the op
+    applies: no host sync, so a step can be captured as a CUDA graph) equals the CPU form
+    (only the selected images adjusted), black and constant images included."""
+    from contrafl.data.augment import _jitter_masked, _jitter_selected
+
+    g = torch.Generator().manual_seed(k)
+    x = torch.rand(12, 3, 5, 5, generator=g)
+    x[0] = 0.0  # black: hue's S = (max - min) / max divides by zero
+    x[1] = 0.5  # grey: contrast's blend with its own mean
+    where = torch.tensor([True, True, False, True] * 3)
+    factor = torch.rand(12, generator=g) * 1.6 + (0.2 if k < 3 else -1.0)
+    selected = _jitter_selected(x.clone(), where, factor, k)
+    masked = _jitter_masked(x.clone(), where, factor, k)
+    assert torch.equal(masked[~where], x[~where])
+    torch.testing.assert_close(masked, selected, rtol=0, atol=1e-6)
+    assert torch.isfinite(masked).all()

@@ -438,6 +438,11 @@ class ColorJitter(Op):
     own permutation, and in slot ``t`` each op is applied to the samples whose permutation puts
     it there, so each sample gets each op exactly once, in its own order. RGB images only;
     ``uint8`` pixels are first taken as ``x / 255``.
+
+    On the CPU each op runs on the samples it applies to only; elsewhere it runs on every
+    sample and its result is kept where it applies, which costs more arithmetic but waits
+    for nothing (selecting the samples needs their number on the host), so that a training
+    step with this op can be captured as a CUDA graph.
     """
 
     brightness: float = 0.0
@@ -478,14 +483,12 @@ class ColorJitter(Op):
         out = x.reshape(-1, *x.shape[-3:]).clone()
         apply = params["apply"].reshape(-1)
         order, factor = params["order"].reshape(-1, 4), params["factor"].reshape(-1, 4)
-        adjust = (_adjust_brightness, _adjust_contrast, _adjust_saturation, _adjust_hue)
         active = (self.brightness > 0, self.contrast > 0, self.saturation > 0, self.hue > 0)
         for slot in range(4):
             for k in range(4):
                 if active[k]:
-                    index = (apply & (order[:, slot] == k)).nonzero().squeeze(-1)
-                    f = factor[index, k].to(x.dtype)[:, None, None, None]
-                    out.index_copy_(0, index, adjust[k](out.index_select(0, index), f))
+                    where = apply & (order[:, slot] == k)
+                    out = (_jitter_selected if x.device.type == "cpu" else _jitter_masked)(out, where, factor[:, k], k)
         return out.view_as(x)
 
 
@@ -882,6 +885,19 @@ def _blend(x: torch.Tensor, y: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
     return (f * x + (1 - f) * y).clamp_(0, 1)
 
 
+def _jitter_selected(x: torch.Tensor, where: torch.Tensor, factor: torch.Tensor, k: int) -> torch.Tensor:
+    """Colour adjustment ``k`` (brightness, contrast, saturation, hue) with ``factor [N]``
+    on the images ``x [N, 3, H, W]`` where ``where [N]`` holds, in place."""
+    index = where.nonzero().squeeze(-1)
+    f = factor[index].to(x.dtype)[:, None, None, None]
+    return x.index_copy_(0, index, _ADJUST[k](x.index_select(0, index), f))
+
+
+def _jitter_masked(x: torch.Tensor, where: torch.Tensor, factor: torch.Tensor, k: int) -> torch.Tensor:
+    """:func:`_jitter_selected` computed on every image and kept where ``where`` holds."""
+    return torch.where(where[:, None, None, None], _ADJUST[k](x, factor.to(x.dtype)[:, None, None, None]), x)
+
+
 def _adjust_brightness(x: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
     """``blend(x, 0, f) = clamp(f x, 0, 1)``."""
     return (f * x).clamp_(0, 1)
@@ -899,6 +915,9 @@ def _adjust_hue(x: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
     h, s, v = _rgb_to_hsv(x)
     h = h + f
     return _hsv_to_rgb(h - h.floor(), s, v)  # (H + f) mod 1
+
+
+_ADJUST = (_adjust_brightness, _adjust_contrast, _adjust_saturation, _adjust_hue)
 
 
 def _rgb_to_hsv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
