@@ -418,6 +418,9 @@ class _RecordedGraph:
 
     fail = False
 
+    def __init__(self, pool):
+        self.pool = pool
+
     def capture(self, step):
         if self.fail:
             raise RuntimeError("operation not permitted when stream is capturing\nmore")

@@ -27,14 +27,33 @@ import torch
 MIN_REPLAYS = 8  # steps a captured graph must serve to pay for its capture
 
 
+class CudaStepGraph:
+    """One step as a CUDA graph: capturing records the step's kernels without running them;
+    a replay runs them. Graphs of one :class:`StepGraphs` share a memory pool (they are
+    captured one after another and each replayed only before the next is captured)."""
+
+    def __init__(self, pool: Any = None) -> None:
+        self.graph = torch.cuda.CUDAGraph()
+        self.pool = pool
+
+    def capture(self, step: Callable[[], None]) -> None:
+        torch.cuda.synchronize()
+        with torch.cuda.graph(self.graph, pool=self.pool):
+            step()
+        self.pool = self.graph.pool()
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+
 class StepGraphs:
     """Eager, capture or replay for each step; one graph per key (the active clients)."""
 
     failed: str | None = None  # why a capture on the GPU failed in this process (then: no more tries)
 
-    def __init__(self, enabled: bool, new_graph: Callable[[], Any] | None = None) -> None:
+    def __init__(self, enabled: bool, new_graph: Callable[[Any], Any] = CudaStepGraph) -> None:
         self.enabled = enabled
-        self.new_graph = new_graph or torch.cuda.CUDAGraph
+        self.new_graph = new_graph  # pool -> an object with capture(step), replay() and pool
         self.graphs: dict[Hashable, Any] = {}
         self.warm: set[Hashable] = set()
         self.pool: Any = None
@@ -57,29 +76,20 @@ class StepGraphs:
             self.warm.add(key)
             step()
             return
-        graph = self.new_graph()
+        graph = self.new_graph(self.pool)
         try:
-            self._capture(graph, step)
+            graph.capture(step)
         except Exception as exc:  # noqa: BLE001 - any failure to capture means: run eagerly
             self.enabled = False
             self.failure = f"{type(exc).__name__}: {exc}".splitlines()[0]
-            if isinstance(graph, torch.cuda.CUDAGraph):
+            if self.new_graph is CudaStepGraph:
                 StepGraphs.failed = self.failure
             warnings.warn(f"a training step could not be captured as a CUDA graph ({self.failure}); "
                           "steps run eagerly from now on (set cuda_graphs=false to skip the attempt)",
                           RuntimeWarning, stacklevel=2)
             step()
             return
+        self.pool = graph.pool
         self.graphs[key] = graph
         graph.replay()
         self.replays += 1
-
-    def _capture(self, graph: Any, step: Callable[[], None]) -> None:
-        if isinstance(graph, torch.cuda.CUDAGraph):
-            torch.cuda.synchronize()
-            with torch.cuda.graph(graph, pool=self.pool):
-                step()
-            # graphs captured one after another into one pool and replayed in that order
-            self.pool = graph.pool()
-        else:  # a test double
-            graph.capture(step)
