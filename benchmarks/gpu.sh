@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The GPU measurements of docs/performance.md in one go, each step capped in time and
 # logged, most important first, so that a short lease still brings back the first ones:
-#   1. MOON's CIFAR-10 round in the paper's setting (round_time.py), vectorized, fp32 and bf16
-#      with CUDA graphs, and fp32 without them (every step launched eagerly)
-#   2. the CUDA tests: executors against each other, against the CPU, and steps replayed
+#   1. the CUDA tests: executors against each other, against the CPU, and steps replayed
 #      from CUDA graphs against eager steps (tests/test_cuda.py)
+#   2. MOON's CIFAR-10 round in the paper's setting (round_time.py), vectorized, fp32 and bf16
+#      with CUDA graphs, and fp32 without them (every step launched eagerly)
 #   3. contrafl against PFLlib on the same GPU (peers/pfllib.py), FedAvg and MOON
 #   4. local-training throughput of the sequential and vectorized executors (throughput.py)
 #
@@ -29,11 +29,11 @@ step() {  # step NAME SECONDS COMMAND...: run it with a time cap, log to LOG_DIR
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(0))"
 
+step cuda_tests 150 python3 -m pytest -q -p no:cacheprovider "$here/../tests/test_cuda.py" \
+    "$here/../tests/test_augment.py" "$here/../tests/test_representation.py" -k "cuda"
 step round_time_fp32 90 python3 "$here/round_time.py" --device cuda --executor vectorized --precision fp32
 step round_time_bf16 90 python3 "$here/round_time.py" --device cuda --executor vectorized --precision bf16
 step round_time_eager 90 python3 "$here/round_time.py" --device cuda --executor vectorized --precision fp32 --no-cuda-graphs
-step cuda_tests 150 python3 -m pytest -q -p no:cacheprovider "$here/../tests/test_cuda.py" \
-    "$here/../tests/test_augment.py" "$here/../tests/test_representation.py" -k "cuda"
 if [ "$pfllib" != "-" ]; then
     step pfllib 160 python3 "$here/peers/pfllib.py" --pfllib "$pfllib" --data-dir "$data" --device cuda \
         --algorithms fedavg moon --repeats 1 --bf16 --work /tmp/contrafl-peers/pfllib
