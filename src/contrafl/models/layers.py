@@ -3,9 +3,7 @@
 :func:`max_pool2x2` is ``F.max_pool2d(x, 2)`` made fast for the many small-batch CPU steps
 of a federated simulation. On CPU the NCHW kernel of ``F.max_pool2d`` costs 8-10x more
 than three ``torch.maximum`` over the strided sub-grids of the 2×2 windows, but autograd's
-backward of ``torch.maximum`` is slower still, so the backward is written by hand. On a
-GPU, where a step's cost is the number of kernels launched, ``F.max_pool2d`` (one kernel
-each way) is used.
+backward of ``torch.maximum`` is slower still, so the backward is written by hand.
 """
 
 from __future__ import annotations
@@ -13,7 +11,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.nn import functional as F
 
 __all__ = ["max_pool2x2"]
 
