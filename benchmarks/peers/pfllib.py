@@ -136,7 +136,7 @@ def pfllib_accuracy(out: str) -> tuple[float | None, float | None]:
 def contrafl_accuracy(run_dir: Path, rounds: int) -> tuple[float | None, float | None, str]:
     """(accuracy after the last round, after ``rounds - 1`` rounds, metric name):
     personal_acc where the run evaluated clients' own models, else test_acc."""
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows = jsonl(run_dir / "metrics.jsonl")
     key = "personal_acc" if any("personal_acc" in r for r in rows) else "test_acc"
     by_round = {r["round"]: r.get(key) for r in rows}
     return by_round.get(rounds), by_round.get(rounds - 1), key
@@ -151,9 +151,12 @@ def pfllib_round_seconds(out: str) -> list[float]:
 def contrafl_round_seconds(run_dir: Path) -> list[float]:
     """contrafl's per-round seconds (timing.jsonl: training, aggregation, evaluation)."""
     path = run_dir / "timing.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line)["seconds"] for line in path.read_text().splitlines() if line.strip()]
+    return [row["seconds"] for row in jsonl(path)] if path.exists() else []
+
+
+def jsonl(path: Path) -> list[dict]:
+    """The rows of one of contrafl's ``.jsonl`` files."""
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def fmt(x: float | None) -> str:

@@ -484,11 +484,11 @@ class ColorJitter(Op):
         apply = params["apply"].reshape(-1)
         order, factor = params["order"].reshape(-1, 4), params["factor"].reshape(-1, 4)
         active = (self.brightness > 0, self.contrast > 0, self.saturation > 0, self.hue > 0)
+        jitter = _jitter_selected if x.device.type == "cpu" else _jitter_masked
         for slot in range(4):
             for k in range(4):
                 if active[k]:
-                    where = apply & (order[:, slot] == k)
-                    out = (_jitter_selected if x.device.type == "cpu" else _jitter_masked)(out, where, factor[:, k], k)
+                    out = jitter(out, apply & (order[:, slot] == k), factor[:, k], k)
         return out.view_as(x)
 
 

@@ -10,8 +10,9 @@ later step with the same number of active clients.
 
 :class:`StepGraphs` decides per step: run it eagerly (the first step of a shape, which
 also warms up cuDNN and allocates what the step creates once), capture it, or replay the
-captured graph. Capturing costs about as much as a few eager steps, so a shape is only
-captured when at least :data:`MIN_REPLAYS` steps will use it. A step that cannot be
+captured graph. A capture runs the step's Python as an eager step does and then builds
+the graph, so a shape is only captured when at least :data:`MIN_REPLAYS` steps will use
+it (a margin: the capture's own cost has not been measured apart from whole rounds). A step that cannot be
 captured (an operation that waits for the GPU, a shape decided by the data) is run
 eagerly, and so is every later step of the process, with one warning: nothing of it was
 executed during the failed capture, so the eager step does the work exactly once.
@@ -57,7 +58,6 @@ class StepGraphs:
         self.graphs: dict[Hashable, Any] = {}
         self.warm: set[Hashable] = set()
         self.pool: Any = None
-        self.failure: str | None = None
         self.replays = 0
 
     @classmethod
@@ -81,10 +81,10 @@ class StepGraphs:
             graph.capture(step)
         except Exception as exc:  # noqa: BLE001 - any failure to capture means: run eagerly
             self.enabled = False
-            self.failure = f"{type(exc).__name__}: {exc}".splitlines()[0]
+            why = f"{type(exc).__name__}: {exc}".splitlines()[0]
             if self.new_graph is CudaStepGraph:
-                StepGraphs.failed = self.failure
-            warnings.warn(f"a training step could not be captured as a CUDA graph ({self.failure}); "
+                StepGraphs.failed = why
+            warnings.warn(f"a training step could not be captured as a CUDA graph ({why}); "
                           "steps run eagerly from now on (set cuda_graphs=false to skip the attempt)",
                           RuntimeWarning, stacklevel=2)
             step()

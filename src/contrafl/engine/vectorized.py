@@ -206,9 +206,10 @@ class VectorizedExecutor:
         # these and the stacked state, so that it can be replayed as a CUDA graph
         batch_rows = torch.zeros(K, B, dtype=torch.long, device=w.x.device)
         batch_augs = [{k: v.new_zeros((K,) + v.shape[2:]) for k, v in view.items()} for view in augs]
-        noise_shapes = [[stage.noise] * stage.repeat for stage in phase.stages]
-        batch_noise = [[{name: torch.zeros((K, *shape), device=w.x.device) for name, shape in spec} for spec in reps]
-                       for reps in noise_shapes]
+        batch_noise = [  # per stage, per repeat
+            [{name: torch.zeros((K, *shape), device=w.x.device) for name, shape in stage.noise} for _ in range(stage.repeat)]
+            for stage in phase.stages
+        ]
         totals: dict[str, torch.Tensor] = {}
         noise_gens = [noise_generator(job, p) for job in jobs]
         graphs = StepGraphs.for_device(w.x.device, self.cuda_graphs)
