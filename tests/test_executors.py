@@ -6,6 +6,7 @@ frozen models shared by all clients vs. per client, epoch-end snapshots and post
 corrections.
 """
 
+import copy
 import os
 import signal
 
@@ -25,6 +26,7 @@ from contrafl.rng import generator
 from contrafl.engine.vectorized import VectorizedExecutor, stack_trees
 from contrafl.errors import DataError
 from contrafl.models.base import FedModel
+from contrafl.models.registry import build_model
 
 
 def _model(seed=0):
@@ -464,3 +466,30 @@ def test_step_graphs_only_on_a_gpu():
 
     assert not StepGraphs.for_device(torch.device("cpu"), True).enabled
     assert not StepGraphs.for_device(torch.device("cuda"), False).enabled
+
+
+
+def test_functional_net_gives_cpu_image_batches_channels_last():
+    """On the CPU the model gets image batches channels-last, with the values and, to
+    float precision, the outputs of the NCHW forward; other inputs, and the batches of
+    the forward for vmap, go in as they come."""
+    torch.manual_seed(0)
+    model = build_model("moon_cnn", (3, 16, 16), 10)
+    nchw = copy.deepcopy(model).eval()
+    net, state = FunctionalNet(model), dict(model.state_dict())
+    seen = []
+    net.eval_model.features.conv1.register_forward_pre_hook(lambda _, args: seen.append(args[0].stride()))
+    x = torch.randn(2, 3, 16, 16)
+    out = net(state, x, train=False)
+    assert seen == [x.contiguous(memory_format=torch.channels_last).stride()]
+    expected = nchw(x)
+    torch.testing.assert_close(out.logits, expected.logits, rtol=1e-5, atol=1e-6)
+    stacked = {k: torch.stack([v, v]) for k, v in state.items()}
+    batched = torch.vmap(lambda s, b: net.for_vmap()(s, b, train=False).logits)(stacked, torch.stack([x, x]))
+    assert seen[-1] == x.stride()
+    torch.testing.assert_close(batched, torch.stack([out.logits, out.logits]), rtol=1e-5, atol=1e-6)
+    assert net.channels_last and net(state, x, train=False) and seen[-1] != x.stride()  # for_vmap made a copy
+
+    mlp = build_model("mlp", (5,), 3)
+    flat = torch.randn(4, 5)
+    assert torch.equal(FunctionalNet(mlp)(dict(mlp.state_dict()), flat, train=False).logits, mlp.eval()(flat).logits)

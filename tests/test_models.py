@@ -230,6 +230,23 @@ def test_max_pool2x2_matches_max_pool2d(shape, ties):
     assert torch.equal(x1.grad, x2.grad)
 
 
+@pytest.mark.parametrize("ties", [False, True])
+def test_max_pool2x2_of_a_channels_last_batch(ties):
+    """A channels-last batch goes to PyTorch's kernel: the same values and gradients
+    (ties included) as the hand-written pooling of the NCHW batch, channels-last out."""
+    torch.manual_seed(0)
+    x = torch.randint(0, 3, (4, 6, 9, 10)).float() if ties else torch.randn(4, 6, 9, 10)
+    x1 = x.contiguous(memory_format=torch.channels_last).requires_grad_()
+    x2 = x.clone().requires_grad_()
+    y1, y2 = max_pool2x2(x1), max_pool2x2(x2)
+    assert y1.is_contiguous(memory_format=torch.channels_last) and y2.is_contiguous()
+    assert torch.equal(y1, y2)
+    g = torch.randn_like(y2)
+    y1.backward(g)
+    y2.backward(g)
+    assert torch.equal(x1.grad, x2.grad)
+
+
 def test_max_pool2x2_gradcheck():
     x = torch.randn(2, 3, 7, 6, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(max_pool2x2, (x,), check_forward_ad=True)

@@ -310,6 +310,29 @@ def test_fedala_one_pass_by_hand():
     assert not torch.equal(res.weights["l3.weight"], W0["l3.weight"])  # W learned something
 
 
+@pytest.mark.parametrize("layers", [1, 2])
+def test_fedala_classifier_only_ala_reuses_the_representations(layers, monkeypatch):
+    """With W on the classifier alone, ALA computes z once per batch and runs the
+    classifier in every pass: the same W, model and losses, bit for bit, as full forwards
+    in every pass; and that many fewer forwards."""
+    import contrafl.algorithms.fedala as fedala_module
+
+    def run():
+        algo, ctx, local, global_ = ala_setup(eta=1.0, threshold=0.0, num_pre_loss=3, max_passes=6, layers=layers)
+        calls = []
+        net = ctx.net
+        ctx.net = lambda *a, **kw: calls.append(1) or net(*a, **kw)
+        return algo.ala(local, global_, None, ctx), len(calls)
+
+    cached, forwards = run()
+    monkeypatch.setattr(fedala_module, "is_head", lambda name: False)  # full forwards
+    full, full_forwards = run()
+    assert cached.passes == full.passes == 6 and cached.losses == full.losses
+    for a, b in ((cached.weights, full.weights), (cached.model, full.model)):
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert (forwards, full_forwards) == (3, 18)  # 3 batches; 6 passes of 3
+
+
 def test_fedala_weights_stay_in_unit_interval_and_mix_upper_layers():
     algo, ctx, local, global_ = ala_setup(eta=1e4, max_passes=3)
     for weights in (None, {k: torch.full_like(local[k], 0.5) for k in ("l3.weight", "l3.bias")}):

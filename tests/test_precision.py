@@ -44,19 +44,6 @@ def test_the_cpu_flags_are_read_from_proc_cpuinfo():
         assert "fpu" in flags or "sse2" in flags or "fp" in flags or "asimd" in flags
 
 
-def test_bf16_batches_are_channels_last_and_fp32_batches_as_they_come():
-    x, y = torch.randn(6, 3, 8, 8), torch.arange(6)
-    rows = torch.tensor([4, 1, 2])
-
-    def batch(autocast):
-        return Workload(x, y, lambda raw, params: raw, None, [], autocast=autocast).inputs(rows, [{}])
-
-    plain, bf16 = batch(None), batch(torch.bfloat16)
-    assert plain.x.is_contiguous() and not plain.x.is_contiguous(memory_format=torch.channels_last)
-    assert bf16.x.is_contiguous(memory_format=torch.channels_last)
-    assert torch.equal(plain.x, bf16.x) and torch.equal(plain.x, x[rows]) and torch.equal(bf16.y, y[rows])
-
-
 def test_bf16_local_training_runs_under_autocast_reproducibly(tmp_path, monkeypatch):
     """The same run in bf16 twice gives the same metrics; they differ from fp32's (the
     local steps ran in bfloat16), by little (the loss of the first round within 2%)."""

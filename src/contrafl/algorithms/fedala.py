@@ -21,6 +21,7 @@ from .base import (
 )
 from .fedavg import FedAvg
 from .registry import ALGORITHMS
+from .split import head_logits, is_head
 
 
 @dataclass(frozen=True)
@@ -92,7 +93,11 @@ class FedALA(FedAvg):
     also for clients that do not train, and keeps the result; here a client's state
     changes only when it trains, and its evaluation runs ALA on the state without
     keeping anything (the same under full participation). ALA uses ordinary autograd in
-    :meth:`client_begin`; the local training is FedAvg's and vectorizable.
+    :meth:`client_begin`; the local training is FedAvg's and vectorizable. When ``W``
+    weighs the classifier ``l3`` alone (``layers`` 1 or 2, the default), its input ``z``
+    does not change during ALA: it is computed once per batch and every pass runs the
+    classifier alone (the same numbers in fp32; with ``precision=bf16`` the classifier
+    then runs in float32).
     """
 
     name = "fedala"
@@ -127,14 +132,23 @@ class FedALA(FedAvg):
         bs = self.federation.batch_size
         batches = [(xs[i : i + bs], ys[i : i + bs]) for i in range(0, count, bs)]
 
+        features = None
+        if batches and all(is_head(k) for k in upper):  # W weighs the classifier alone: z is fixed
+            with torch.no_grad():
+                features = [ctx.net({**lower, **hat}, xb, train=False).z for xb, _ in batches]
+
         losses: list[float] = []
         passes = 0
         if batches:
             with torch.enable_grad():
                 while passes < p.max_passes:
-                    for xb, yb in batches:
+                    for i, (xb, yb) in enumerate(batches):
                         leaves = {k: v.clone().requires_grad_(True) for k, v in hat.items()}
-                        loss = F.cross_entropy(ctx.net({**lower, **leaves}, xb, train=False).logits, yb)
+                        if features is None:
+                            logits = ctx.net({**lower, **leaves}, xb, train=False).logits
+                        else:
+                            logits = head_logits(features[i], {**lower, **leaves})
+                        loss = F.cross_entropy(logits, yb)
                         grads = torch.autograd.grad(loss, list(leaves.values()))
                         for k, g in zip(leaves, grads):
                             w[k] = torch.clamp(w[k] - p.eta * (g * diff[k]), 0, 1)

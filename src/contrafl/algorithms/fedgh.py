@@ -28,7 +28,7 @@ from .base import (
 from .prototypes import predicted_prototypes
 from .prototypes import reply_spec as prototype_spec
 from .registry import ALGORITHMS
-from .split import HEAD_PREFIX, body_head_task, split_ce, split_head
+from .split import HEAD_PREFIX, body_head_task, head_logits, split_ce, split_head
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,7 @@ def train_head(
             rows = order[start : start + batch_size]
             with torch.enable_grad():
                 leaves = {k: v.requires_grad_(True) for k, v in new.items()}
-                logits = F.linear(reps[rows], leaves[weight_key], leaves.get(bias_key))
+                logits = head_logits(reps[rows], leaves)
                 loss = F.cross_entropy(logits, labels[rows])
                 grads = torch.autograd.grad(loss, list(leaves.values()))
             new = {k: (v - lr * gr).detach() for (k, v), gr in zip(leaves.items(), grads)}

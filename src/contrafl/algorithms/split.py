@@ -27,6 +27,12 @@ def is_head(name: str) -> bool:
     return name.startswith(HEAD_PREFIX)
 
 
+def head_logits(z: torch.Tensor, state: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """The classifier head of ``state`` (``l3``: ``W z + b``) on representations ``z``;
+    ``state`` may hold more than the head."""
+    return F.linear(z, state[f"{HEAD_PREFIX}weight"], state.get(f"{HEAD_PREFIX}bias"))
+
+
 def split_head(state: Mapping[str, torch.Tensor]) -> tuple[StateDict, StateDict]:
     """``(body, head)`` of a full state dict."""
     body = {k: v for k, v in state.items() if not is_head(k)}

@@ -281,7 +281,7 @@ class VectorizedExecutor:
     def _grad_fn(self, stage: Stage, frozen_dims: Any, consts_dims: Any, other_roles: list[str]) -> Callable:
         key = (id(stage.loss), repr(frozen_dims), repr(consts_dims), tuple(other_roles))
         if key not in self._grad_fns:
-            net = self.workload.net
+            net = self.workload.net.for_vmap()
 
             def loss(train_p, other_p, buffers, frozen, consts, x, y, noise):
                 view = TaskView({**other_p, **train_p}, buffers, frozen, consts)
@@ -299,7 +299,7 @@ class VectorizedExecutor:
         """``fn`` (a stage's ``pre_step`` or ``post_step``) vectorised over clients."""
         key = ("update", id(fn), repr(frozen_dims), repr(consts_dims))
         if key not in self._grad_fns:
-            net = self.workload.net
+            net = self.workload.net.for_vmap()
 
             def update(params, buffers, frozen, consts, x, y, noise):
                 return fn(TaskView(params, buffers, frozen, consts), Batch(x, y, noise), net)

@@ -1,16 +1,20 @@
-"""Milliseconds per local step in fp32 and under bfloat16 autocast on this CPU, and the
-ratio, measured in the same run: what ``precision=bf16`` (or ``auto``) buys.
+"""Milliseconds per local step by image layout (NCHW, channels-last) and precision
+(fp32, bfloat16 autocast) on this CPU, and each one's speed-up over NCHW fp32, measured
+in the same run: what contrafl's channels-last CPU batches and ``precision=bf16`` (or
+``auto``) buy.
 
 A step is ``throughput.plain_step``: contrafl's model with FedAvg's or MOON's loss (mu=5,
 temperature 0.5, one previous model) in a plain PyTorch loop on a batch of 64 random
 CIFAR-shaped images already in memory, MOON's SGD, one intra-op thread (what each worker of the
 parallel executor has). Each cell is the best of ``--repeats`` timings of ``--steps``
-steps after 10 warm-up steps. The batch goes in as it comes (NCHW) and channels-last,
-the layout contrafl gives the image batches under bf16 on a CPU. It prints the CPU's
-bf16 features (AMX, AVX512-BF16: without either, bf16 is emulated and slower).
+steps after 10 warm-up steps. contrafl's pooling follows the layout (its hand-written
+kernel for NCHW, PyTorch's for channels-last: ``contrafl.models.layers``), so the NCHW
+columns are contrafl's steps as they ran before it gave the CPU channels-last batches.
+It prints the CPU's bf16 features (AMX, AVX512-BF16: without either, bf16 is emulated
+and slower).
 
-    python benchmarks/bf16_step.py
-    python benchmarks/bf16_step.py --models moon_cnn fedavg_cnn resnet18 --steps 20
+    python benchmarks/step_layout.py
+    python benchmarks/step_layout.py --models moon_cnn fedavg_cnn resnet18 --steps 20
 """
 
 from __future__ import annotations
@@ -55,14 +59,13 @@ def main() -> None:
     torch.set_num_threads(1)
     print(f"machine: {machine()}")
     print(f"native bf16: {', '.join(f for f in CPU_BF16_FLAGS if f in cpu_flags()) or 'none (bf16 is emulated here)'}\n")
-    print(f"{'model':<12}{'loss':<8}{'fp32 ms':>9}{'bf16 ms':>9}{'bf16 CL ms':>12}{'fp32/bf16':>11}{'fp32/bf16 CL':>14}")
+    layouts = ((False, False), (False, True), (True, False), (True, True))
+    names = ("fp32", "fp32 CL", "bf16", "bf16 CL")
+    print(f"{'model':<12}{'loss':<8}" + "".join(f"{n + ' ms':>11}" for n in names) + "".join(f"{'x ' + n:>10}" for n in names[1:]))
     for model in args.models:
         for algorithm in args.algorithms:
-            fp32, bf16, bf16_cl = (
-                min(step_ms(model, algorithm, b, cl, args.steps) for _ in range(args.repeats))
-                for b, cl in ((False, False), (True, False), (True, True))
-            )
-            print(f"{model:<12}{algorithm:<8}{fp32:>9.2f}{bf16:>9.2f}{bf16_cl:>12.2f}{fp32 / bf16:>10.2f}x{fp32 / bf16_cl:>13.2f}x", flush=True)
+            ms = [min(step_ms(model, algorithm, b, cl, args.steps) for _ in range(args.repeats)) for b, cl in layouts]
+            print(f"{model:<12}{algorithm:<8}" + "".join(f"{t:>11.2f}" for t in ms) + "".join(f"{ms[0] / t:>9.2f}x" for t in ms[1:]), flush=True)
 
 
 if __name__ == "__main__":
