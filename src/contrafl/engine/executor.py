@@ -39,9 +39,9 @@ class FunctionalNet:
     Image batches on the CPU go in channels-last (``channels_last``), where oneDNN's
     convolutions and PyTorch's pooling are fastest (on an AVX-512 Xeon, one thread:
     FedAvgCNN's FedAvg step 1.82x faster than NCHW in fp32 and 1.76x in bf16, its MOON
-    step 1.54x and 2.04x, MOON's CNN's steps 1.14-1.18x in fp32; docs/performance.md). The values are the same; oneDNN may
-    sum in another order, so the outputs may differ from an NCHW forward's in the last
-    bits.
+    step 1.54x and 2.04x, MOON's CNN's steps 1.14-1.18x in fp32; docs/performance.md).
+    The values are the same; oneDNN may sum in another order, so the outputs may differ
+    from an NCHW forward's in the last bits.
     """
 
     def __init__(self, model: FedModel) -> None:
