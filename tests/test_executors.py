@@ -490,6 +490,10 @@ def test_functional_net_gives_cpu_image_batches_channels_last():
     torch.testing.assert_close(batched, torch.stack([out.logits, out.logits]), rtol=1e-5, atol=1e-6)
     net(state, x, train=False)  # for_vmap left the run's forward as it was
     assert seen[-1] != x.stride()
+    rows = torch.tensor([1, 0])
+    batch = Workload(x, torch.arange(2), lambda raw, params: raw, net, []).inputs(rows, [{}])
+    assert batch.x.is_contiguous(memory_format=torch.channels_last) and torch.equal(batch.x, x[rows])
+    assert net.layout(batch.x).data_ptr() == batch.x.data_ptr()  # converted once per batch: no copy per forward pass
 
     mlp = build_model("mlp", (5,), 3)
     flat = torch.randn(4, 5)

@@ -58,6 +58,12 @@ class FunctionalNet:
         net.channels_last = False
         return net
 
+    def layout(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` as the model gets it: channels-last when it is a batch of images on the
+        CPU (unless :meth:`for_vmap`), else as it is; no copy when it already is."""
+        cpu_images = self.channels_last and x.dim() == 4 and x.device.type == "cpu"
+        return channels_last(x) if cpu_images else x
+
     def __call__(self, state: Mapping[str, torch.Tensor], x: torch.Tensor, *, train: bool) -> ModelOutput:
         module = self.train_model if train else self.eval_model
         slots = self._slots[id(module)]
@@ -65,8 +71,7 @@ class FunctionalNet:
         try:
             for name, table, attr in slots:
                 table[attr] = state[name]
-            cpu_images = self.channels_last and x.dim() == 4 and x.device.type == "cpu"
-            return module(channels_last(x) if cpu_images else x)
+            return module(self.layout(x))
         finally:
             for (_, table, attr), old in zip(slots, saved):
                 table[attr] = old
@@ -172,10 +177,12 @@ class Workload:
         return torch.autocast(self.x.device.type, dtype=self.autocast)
 
     def inputs(self, rows: torch.Tensor, aug: list[dict[str, torch.Tensor]]) -> Batch:
-        """The batch of ``rows`` with each view's augmentation applied."""
+        """The batch of ``rows`` with each view's augmentation applied, in the layout the
+        model gets it (:meth:`FunctionalNet.layout`: once per batch, not once per forward
+        pass of a loss that runs several models on it)."""
         raw = self.x[rows]
         views = [view_transform(self.transform, v)(raw, params) for v, params in enumerate(aug)]
-        x = views[0] if len(views) == 1 else torch.stack(views)
+        x = self.net.layout(views[0]) if len(views) == 1 else torch.stack(views)
         return Batch(x, self.y[rows])
 
 

@@ -23,8 +23,8 @@ __all__ = ["channels_last", "max_pool2x2"]
 
 
 def channels_last(x: torch.Tensor) -> torch.Tensor:
-    """``x`` (``[N, C, H, W]``) with channels-last strides, the same values; ``x`` itself
-    when it already has them. Unlike ``x.contiguous(memory_format=torch.channels_last)``
+    """``x`` (``[N, C, H, W]``) with channels-last strides, the same values; a view of
+    ``x`` (no copy) when it already has them. Unlike ``x.contiguous(memory_format=torch.channels_last)``
     this also works under ``vmap``."""
     return x.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
 
