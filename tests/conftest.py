@@ -41,6 +41,16 @@ def worker_dir(tmp_path, monkeypatch):
         worker.stop(sock)
 
 
+@pytest.fixture
+def task_identity(monkeypatch):
+    """The run, node and task ids Flower's runtime gives the process that makes messages."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    monkeypatch.setattr(TaskIdentity, "_run_id", 1)
+    monkeypatch.setattr(TaskIdentity, "_node_id", 1)
+    monkeypatch.setattr(TaskIdentity, "_task_id", 1)
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """One intra-op thread for a test module of tiny models (``pytestmark =

@@ -82,7 +82,7 @@ def test_secure_aggregation_gives_the_plain_deployments_run_up_to_quantisation(t
     assert main(["run", "--quiet", "--out", str(tmp_path / "plain"), *settings]) == 0
     for name in ("secure", "again"):
         prepare_run(load_config(None, settings), tmp_path / name)
-        deployment.run(APP_DIR, run_config(tmp_path / name, 120, CLIENTS, secure_aggregation=True), timeout=600)
+        deployment.run(APP_DIR, run_config(tmp_path / name, 300, CLIENTS, secure_aggregation=True), timeout=600)
     rows = {name: [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()] for name in runs}
     models = {name: torch.load(tmp_path / name / "checkpoint.pt", weights_only=False)["server"]["model"] for name in runs}
     assert rows["secure"] == rows["again"] and all(torch.equal(v, models["again"][k]) for k, v in models["secure"].items())
@@ -93,7 +93,7 @@ def test_secure_aggregation_gives_the_plain_deployments_run_up_to_quantisation(t
 
     noisy = ["algorithm=fedavg", *COMMON, "dp=local", "dp.clip=0.5", "dp.noise_multiplier=0.05"]  # clients' noise, then the secure mean
     prepare_run(load_config(None, noisy), tmp_path / "noisy")
-    deployment.run(APP_DIR, run_config(tmp_path / "noisy", 120, CLIENTS, secure_aggregation=True), timeout=600)
+    deployment.run(APP_DIR, run_config(tmp_path / "noisy", 300, CLIENTS, secure_aggregation=True), timeout=600)
     assert main(["run", "--quiet", "--out", str(tmp_path / "noisy-sim"), *noisy]) == 0
     secure_rows, sim_rows = ([json.loads(x) for x in (tmp_path / r / "metrics.jsonl").read_text().splitlines()] for r in ("noisy", "noisy-sim"))
     assert [r["dp_epsilon"] for r in secure_rows] == [r["dp_epsilon"] for r in sim_rows]

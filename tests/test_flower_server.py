@@ -20,7 +20,6 @@ import torch
 pytest.importorskip("flwr")
 
 from flwr.app import Context, Error, Message, RecordDict  # noqa: E402
-from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
 
 from contrafl.config import load_config  # noqa: E402
 from contrafl.engine.run_dir import RunDir  # noqa: E402
@@ -36,14 +35,6 @@ pytestmark = pytest.mark.usefixtures("one_thread", "task_identity", "worker_dir"
 
 SETTINGS = ["algorithm=fedavg", "num_clients=3", "rounds=2", "local_epochs=1", "executor=sequential", "eval_personal=false"]
 WAIT_NODES = 0.3
-
-
-@pytest.fixture
-def task_identity(monkeypatch):
-    """The run, node and task ids Flower's runtime gives the process that makes messages."""
-    monkeypatch.setattr(TaskIdentity, "_run_id", 1)
-    monkeypatch.setattr(TaskIdentity, "_node_id", 1)
-    monkeypatch.setattr(TaskIdentity, "_task_id", 1)
 
 
 class StandInGrid:

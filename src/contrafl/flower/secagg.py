@@ -150,11 +150,16 @@ class SecureRound:
         self.grid, self.context, self.timeout, self.max_weight = grid, context, timeout, max_weight
 
     def run(self, t: int, node_of: dict[int, int], fitins: dict[int, FitIns]) -> tuple[dict[int, RecordDict], list[str]]:
+        results, failures = self.exchange(t, node_of, fitins)
+        return {cid: outcome_tree(fitres) for cid, fitres in results.items()}, failures
+
+    def exchange(self, t: int, node_of: dict[int, int], fitins: dict[int, FitIns]) -> tuple[dict[int, FitRes], list[str]]:
+        """The protocol itself: each client's ``FitRes`` with the unmasked weighted mean
+        as its parameters (none when it could not finish), and the failures."""
         from flwr.server import ServerConfig
         from flwr.server.client_manager import SimpleClientManager
         from flwr.server.compat.grid_client_proxy import GridClientProxy
         from flwr.server.compat.legacy_context import LegacyContext
-        from flwr.server.workflow import SecAggPlusWorkflow
         from flwr.server.workflow.constant import MAIN_CONFIGS_RECORD, MAIN_PARAMS_RECORD, Key
 
         cid_of = {node: cid for cid, node in node_of.items()}
@@ -166,7 +171,7 @@ class SecureRound:
         legacy = LegacyContext(self.context, ServerConfig(num_rounds=t + 1), strategy, manager)
         legacy.state.config_records[MAIN_CONFIGS_RECORD] = ConfigRecord({Key.CURRENT_ROUND: t + 1})
         legacy.state.array_records[MAIN_PARAMS_RECORD] = ArrayRecord()
-        workflow = SecAggPlusWorkflow(  # every client shares its keys with all; 2/3 of the shares rebuild them
+        workflow = _workflow()(  # every client shares its keys with all; 2/3 of the shares rebuild them
             num_shares=1.0, reconstruction_threshold=RECONSTRUCTION, max_weight=self.max_weight,
             clipping_range=CLIPPING_RANGE, quantization_range=QUANTIZATION_RANGE, timeout=self.timeout,
         )
@@ -176,8 +181,34 @@ class SecureRound:
             workflow(self.grid, legacy)
         finally:
             random.setstate(state)
-        replies = {cid_of[proxy.node_id]: outcome_tree(fitres) for proxy, fitres in strategy.results}
-        return replies, [str(f) for f in strategy.failures]
+        return {cid_of[proxy.node_id]: fitres for proxy, fitres in strategy.results}, [str(f) for f in strategy.failures]
+
+
+def _workflow() -> type:
+    """flwr's ``SecAggPlusWorkflow``, made to survive nodes that drop out before they
+    have shared their keys.
+
+    flwr 1.41 (and its later releases) counts every node of the setup stage that does
+    not send a masked vector as dead in the unmask stage, and asks the others for the
+    shares of its secret key. A node that stopped answering in the setup or share-keys
+    stage never sent those shares: each other node's mod then fails looking for one
+    (``KeyError`` in ``sk1_share_dict``), and the server would remove pairwise masks
+    that nobody added, since the other nodes mask only with the nodes whose shares they
+    received. So, once the keys are shared, the nodes that shared them become the
+    round's sampled nodes and each one's only neighbours; a node dropping later is
+    unmasked as flwr does it.
+    """
+    from flwr.server.workflow import SecAggPlusWorkflow
+
+    class DropTolerantSecAggPlus(SecAggPlusWorkflow):
+        def share_keys_stage(self, grid: Any, context: Any, state: Any) -> bool:
+            super().share_keys_stage(grid, context, state)
+            shared = set(state.active_node_ids)
+            state.sampled_node_ids = shared
+            state.nid_to_neighbours = {nid: nbrs & shared for nid, nbrs in state.nid_to_neighbours.items() if nid in shared}
+            return self._check_threshold(state)
+
+    return DropTolerantSecAggPlus
 
 
 class _OneRound:
