@@ -247,6 +247,21 @@ def test_max_pool2x2_of_a_channels_last_batch(ties):
     assert torch.equal(x1.grad, x2.grad)
 
 
+@pytest.mark.parametrize("channels", [6, 32])
+def test_max_pool2x2_of_a_channels_last_batch_without_gradient(channels):
+    """Without a gradient (frozen models, evaluation), a channels-last batch of few
+    channels takes the hand-written kernel and one of many PyTorch's: either way
+    ``F.max_pool2d``'s values, ties included, and a channels-last result for the next
+    convolution."""
+    torch.manual_seed(0)
+    for x in (torch.randn(4, channels, 9, 10), torch.randint(0, 3, (4, channels, 9, 10)).float()):
+        x = x.contiguous(memory_format=torch.channels_last)
+        with torch.no_grad():
+            y = max_pool2x2(x)
+        assert torch.equal(y, F.max_pool2d(x, 2)) and y.is_contiguous(memory_format=torch.channels_last)
+        assert torch.equal(max_pool2x2(x), y)  # grad mode, but x needs none
+
+
 def test_max_pool2x2_gradcheck():
     x = torch.randn(2, 3, 7, 6, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(max_pool2x2, (x,), check_forward_ad=True)
