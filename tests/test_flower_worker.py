@@ -28,7 +28,7 @@ from contrafl.engine.setup import prepare  # noqa: E402
 from contrafl.engine.simulation import Simulation  # noqa: E402
 from contrafl.flower import supernode  # noqa: E402
 from contrafl.flower.wire import pack, unpack  # noqa: E402
-from test_flower_server import SETTINGS, StandInGrid, rows, run_on, task_identity  # noqa: E402,F401 (a fixture)
+from test_flower_server import SETTINGS, StandInGrid, rows, run_on  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread", "task_identity", "worker_dir")
 

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from contrafl.algorithms.base import Federation, Reply, ServerState, TaskView, TrainResult
-from contrafl.algorithms.fedala import FedALA, FedALAParams  # importing registers the algorithms
+from contrafl.algorithms.fedala import ALAMemo, FedALA, FedALAParams  # importing registers the algorithms
 from contrafl.algorithms.perfedavg import PerFedAvg, PerFedAvgParams
 from contrafl.algorithms.pfedme import PFedMe, PFedMeParams
 from contrafl.data.augment import eval_transform
@@ -389,6 +389,51 @@ def test_fedala_personal_model_is_pure_and_matches_client_begin():
                 assert torch.equal(state[k][n], t)
         assert not torch.equal(a["l3.weight"], global_["l3.weight"])  # ALA kept some of the local model
         assert task.ala_weights is not None
+
+
+def test_fedala_memo_gives_an_ala_back_once_for_the_same_tensors_only():
+    """ALAMemo: a kept ALA comes back for the same client, round and tensors, once; not
+    after an input changed in place, for another round or client, nor past its size."""
+    algo, ctx, local, global_ = ala_setup()
+    res = algo.ala(local, global_, None, ctx)
+    memo = algo.memo
+    memo.keep(ctx, ALAMemo.key(ctx, local, global_, None), res)
+    assert memo.take(ctx, ALAMemo.key(ctx, local, global_, None)) is res
+    assert memo.take(ctx, ALAMemo.key(ctx, local, global_, None)) is None  # once
+    for change in ("in place", "other tensor", "other round", "other client"):
+        memo.keep(ctx, ALAMemo.key(ctx, local, global_, None), res)
+        asked, state = ctx, dict(global_)
+        if change == "in place":
+            global_["l3.bias"].add_(0.0)  # the same values, but written to: its version moves
+        elif change == "other tensor":
+            state["l3.bias"] = global_["l3.bias"].clone()
+        else:
+            asked = Ctx(ctx.net, ctx.x, ctx.y, cid=ctx.cid + (change == "other client"), round=ctx.round + (change == "other round"))
+        assert memo.take(asked, ALAMemo.key(asked, local, state, None)) is None, change
+    memo.keep(ctx, ALAMemo.key(ctx, local, global_, None), res)
+    later = Ctx(ctx.net, ctx.x, ctx.y, round=ctx.round + 1)
+    memo.keep(later, ALAMemo.key(later, local, global_, None), res)  # a new round's first: the others go
+    assert list(memo.entries) == [(0, ctx.round + 1)]
+    small = ALAMemo(max_bytes=10)
+    small.keep(ctx, ALAMemo.key(ctx, local, global_, None), res)
+    assert small.entries == {}
+
+
+def test_fedala_training_reuses_the_ala_of_the_evaluation_before(monkeypatch):
+    """With eval_personal, the evaluation after round t runs each client's ALA of round
+    t+1, and a client training in round t+1 starts from that ALA instead of running it
+    again: half as many ALAs under full participation, and the same run, bit for bit."""
+    calls = []
+    ala = FedALA.ala
+    monkeypatch.setattr(FedALA, "ala", lambda self, *a: calls.append(a[3].round) or ala(self, *a))
+    reused = simulate("algorithm=fedala", *SIM)
+    ran, calls[:] = list(calls), []
+    monkeypatch.setattr(ALAMemo, "keep", lambda *a: None)
+    again = simulate("algorithm=fedala", *SIM)
+    assert ran == [1] * 4 + [2] * 4 + [3] * 4  # the evaluations (round 0 trains without ALA)
+    assert calls == [1] * 8 + [2] * 8 + [3] * 4  # every trained client runs its own again
+    assert reused.history == again.history
+    assert all(torch.equal(v, again.server.model[k]) for k, v in reused.server.model.items())
 
 
 def test_fedala_leaves_batchnorm_statistics_and_inputs_alone():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,6 +13,7 @@ from torch.nn import functional as F
 from .. import params as P
 from .base import (
     ClientContext,
+    Federation,
     LocalTask,
     PersonalModel,
     Reply,
@@ -42,6 +44,50 @@ class ALAResult:
     weights: StateDict  # W after learning, for the upper parameter tensors
     losses: list[float]  # the last batch's loss of every pass
     passes: int
+
+
+class ALAMemo:
+    """The adaptive local aggregations of one round, kept for when the same one is asked
+    again: the personalised evaluation after round ``t`` runs every client's ALA of round
+    ``t + 1`` (:meth:`FedALA.personal_model`, the model the client would start that
+    round with), and a client training in round ``t + 1`` then starts with that very ALA
+    in :meth:`FedALA.client_begin`: the same state, global model and random slice.
+
+    :meth:`FedALA.ala` is a pure function of its inputs and the client's context, so a
+    result is given back only for the same client, round, random stream and forward,
+    with inputs that are the very same tensors, unmodified since (weak references and
+    PyTorch's version counters: nothing is kept alive, and a state reloaded from disk
+    is a miss). Each result is given back once; a new round's first result clears the
+    others; results stop being kept past ``max_bytes``.
+    """
+
+    def __init__(self, max_bytes: int = 2**28) -> None:
+        self.max_bytes = max_bytes
+        self.entries: dict[tuple[int, int], tuple[tuple, ALAResult, int]] = {}
+
+    @staticmethod
+    def key(ctx: ClientContext, *states: StateDict | None) -> tuple:
+        tensors = tuple((name, weakref.ref(t), t._version) for state in states if state is not None for name, t in state.items())
+        return (ctx.generator("ala").initial_seed(), weakref.ref(ctx.net), tensors)
+
+    @staticmethod
+    def _same(a: tuple, b: tuple) -> bool:
+        (seed_a, net_a, tensors_a), (seed_b, net_b, tensors_b) = a, b
+        return (
+            seed_a == seed_b and net_a() is not None and net_a() is net_b() and len(tensors_a) == len(tensors_b)
+            and all(na == nb and ra() is not None and ra() is rb() and va == vb for (na, ra, va), (nb, rb, vb) in zip(tensors_a, tensors_b))
+        )
+
+    def take(self, ctx: ClientContext, key: tuple) -> ALAResult | None:
+        entry = self.entries.pop((ctx.cid, ctx.round), None)
+        return entry[1] if entry is not None and self._same(entry[0], key) else None
+
+    def keep(self, ctx: ClientContext, key: tuple, result: ALAResult) -> None:
+        if any(r != ctx.round for _, r in self.entries):
+            self.entries.clear()
+        size = sum(t.numel() * t.element_size() for t in result.weights.values()) * 2  # W and the upper layers
+        if sum(e[2] for e in self.entries.values()) + size <= self.max_bytes:
+            self.entries[(ctx.cid, ctx.round)] = (key, result, size)
 
 
 @dataclass
@@ -92,7 +138,11 @@ class FedALA(FedAvg):
     layers (PFLlib's models have none). PFLlib runs ALA for every client every round,
     also for clients that do not train, and keeps the result; here a client's state
     changes only when it trains, and its evaluation runs ALA on the state without
-    keeping anything (the same under full participation). ALA uses ordinary autograd in
+    keeping anything (the same under full participation). That evaluation, after round
+    ``t``, is the client's ALA of round ``t + 1`` (its random slice included), which a
+    client training in round ``t + 1`` would run again in :meth:`client_begin`: it is
+    kept and reused (:class:`ALAMemo`), the same numbers with half the ALAs under full
+    participation. ALA uses ordinary autograd in
     :meth:`client_begin`; the local training is FedAvg's and vectorizable. When ``W``
     weighs the classifier ``l3`` alone (``layers`` 1 or 2, the default), its input ``z``
     does not change during ALA: it is computed once per batch and every pass runs the
@@ -105,6 +155,10 @@ class FedALA(FedAvg):
     paper = "J. Zhang, Hua, Wang, Song, Xue, Ma, Guan, FedALA: Adaptive Local Aggregation for Personalized Federated Learning, AAAI 2023"
     Params = FedALAParams
     personalized = True
+
+    def __init__(self, params: FedALAParams, federation: Federation) -> None:
+        super().__init__(params, federation)
+        self.memo = ALAMemo()
 
     # -- ALA ---------------------------------------------------------------------------
     def upper_names(self) -> tuple[str, ...]:
@@ -162,11 +216,21 @@ class FedALA(FedAvg):
         model = {k: (hat[k] if k in hat else v) for k, v in global_.items()}
         return ALAResult(model, w, losses, passes)
 
-    def initialised_model(self, state: dict[str, Any], global_: StateDict, ctx: ClientContext) -> tuple[StateDict, StateDict | None]:
-        """The client's model at the start of ``ctx.round`` and its W (None: no ALA)."""
+    def initialised_model(
+        self, state: dict[str, Any], global_: StateDict, ctx: ClientContext, *, keep: bool = False
+    ) -> tuple[StateDict, StateDict | None]:
+        """The client's model at the start of ``ctx.round`` and its W (None: no ALA).
+        With ``keep`` the ALA is kept for the client's next call of that round
+        (:class:`ALAMemo`)."""
         if "model" not in state:
             return global_, None
-        res = self.ala(state["model"], global_, state.get("ala_weights"), ctx)
+        local, weights = state["model"], state.get("ala_weights")
+        key = ALAMemo.key(ctx, local, global_, weights)
+        res = self.memo.take(ctx, key)
+        if res is None:
+            res = self.ala(local, global_, weights, ctx)
+            if keep:
+                self.memo.keep(ctx, key, res)
         return res.model, res.weights
 
     # -- client ------------------------------------------------------------------------
@@ -189,4 +253,4 @@ class FedALA(FedAvg):
 
     def personal_model(self, state: dict[str, Any], message: dict[str, Any], ctx: ClientContext) -> PersonalModel:
         """The post-ALA model the client would start its next round with (nothing kept)."""
-        return PersonalModel(self.initialised_model(state, message["model"], ctx)[0])
+        return PersonalModel(self.initialised_model(state, message["model"], ctx, keep=True)[0])

@@ -171,7 +171,7 @@ class SecureRound:
         legacy = LegacyContext(self.context, ServerConfig(num_rounds=t + 1), strategy, manager)
         legacy.state.config_records[MAIN_CONFIGS_RECORD] = ConfigRecord({Key.CURRENT_ROUND: t + 1})
         legacy.state.array_records[MAIN_PARAMS_RECORD] = ArrayRecord()
-        workflow = _workflow()(  # every client shares its keys with all; 2/3 of the shares rebuild them
+        workflow = _drop_tolerant_workflow()(  # every client shares its keys with all; 2/3 of the shares rebuild them
             num_shares=1.0, reconstruction_threshold=RECONSTRUCTION, max_weight=self.max_weight,
             clipping_range=CLIPPING_RANGE, quantization_range=QUANTIZATION_RANGE, timeout=self.timeout,
         )
@@ -184,14 +184,15 @@ class SecureRound:
         return {cid_of[proxy.node_id]: fitres for proxy, fitres in strategy.results}, [str(f) for f in strategy.failures]
 
 
-def _workflow() -> type:
+def _drop_tolerant_workflow() -> type:
     """flwr's ``SecAggPlusWorkflow``, made to survive nodes that drop out before they
-    have shared their keys.
+    have shared their keys (the class is made here, not at import: the ClientApp
+    imports this module, and ``flwr.server`` is the server's).
 
-    flwr 1.41 (and its later releases) counts every node of the setup stage that does
-    not send a masked vector as dead in the unmask stage, and asks the others for the
-    shares of its secret key. A node that stopped answering in the setup or share-keys
-    stage never sent those shares: each other node's mod then fails looking for one
+    flwr 1.41, and its later releases, count every node of the setup stage that sends
+    no masked vector as dead in the unmask stage, and ask the others for the shares of
+    its secret key. A node that stopped answering in the setup or share-keys stage
+    never sent those shares: each other node's mod then fails looking for one
     (``KeyError`` in ``sk1_share_dict``), and the server would remove pairwise masks
     that nobody added, since the other nodes mask only with the nodes whose shares they
     received. So, once the keys are shared, the nodes that shared them become the
