@@ -70,15 +70,23 @@ class ALAMemo:
 
     @staticmethod
     def key(ctx: ClientContext, *states: StateDict | None) -> tuple:
-        tensors = tuple((name, weakref.ref(t), t._version) for state in states if state is not None for name, t in state.items())
-        return (ctx.generator("ala").initial_seed(), weakref.ref(ctx.net), tensors)
+        """What an ALA depends on: the client's random stream, the forward, and each
+        input tensor by weak reference with its version counter."""
+        tensors = tuple(
+            (name, weakref.ref(t), t._version) for state in states if state is not None for name, t in state.items()
+        )
+        return ctx.generator("ala").initial_seed(), weakref.ref(ctx.net), tensors
 
     @staticmethod
-    def _same(a: tuple, b: tuple) -> bool:
-        (seed_a, net_a, tensors_a), (seed_b, net_b, tensors_b) = a, b
-        return (
-            seed_a == seed_b and net_a() is not None and net_a() is net_b() and len(tensors_a) == len(tensors_b)
-            and all(na == nb and ra() is not None and ra() is rb() and va == vb for (na, ra, va), (nb, rb, vb) in zip(tensors_a, tensors_b))
+    def _same(kept: tuple, asked: tuple) -> bool:
+        """Whether two keys name the same stream, the same live forward and the same live,
+        unmodified tensors."""
+        (seed, net, tensors), (seed_asked, net_asked, tensors_asked) = kept, asked
+        if seed != seed_asked or net() is None or net() is not net_asked() or len(tensors) != len(tensors_asked):
+            return False
+        return all(
+            name == name_asked and ref() is not None and ref() is ref_asked() and version == version_asked
+            for (name, ref, version), (name_asked, ref_asked, version_asked) in zip(tensors, tensors_asked)
         )
 
     def take(self, ctx: ClientContext, key: tuple) -> ALAResult | None:
@@ -257,5 +265,7 @@ class FedALA(FedAvg):
         return Reply(ctx.cid, ctx.num_samples, {"model": model}), new_state
 
     def personal_model(self, state: dict[str, Any], message: dict[str, Any], ctx: ClientContext) -> PersonalModel:
-        """The post-ALA model the client would start its next round with (nothing kept)."""
+        """The post-ALA model the client would start its next round with. The client's
+        state is left as it is; the ALA is kept for that round's :meth:`client_begin`
+        (:class:`ALAMemo`)."""
         return PersonalModel(self.initialised_model(state, message["model"], ctx, keep=True)[0])
