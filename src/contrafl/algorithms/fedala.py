@@ -150,8 +150,8 @@ class FedALA(FedAvg):
     BatchNorm statistics untouched; buffers come from the global model with the lower
     layers (PFLlib's models have none). PFLlib runs ALA for every client every round,
     also for clients that do not train, and keeps the result; here a client's state
-    changes only when it trains, and its evaluation runs ALA on the state without
-    keeping anything (the same under full participation). That evaluation, after round
+    changes only when it trains, and its evaluation runs ALA without changing the state
+    (the same under full participation). That evaluation, after round
     ``t``, is the client's ALA of round ``t + 1`` (its random slice included), which a
     client training in round ``t + 1`` would run again in :meth:`client_begin`: it is
     kept and reused (:class:`ALAMemo`), the same numbers with half the ALAs under full
