@@ -51,6 +51,14 @@ def task_identity(monkeypatch):
     monkeypatch.setattr(TaskIdentity, "_task_id", 1)
 
 
+def error_reply(exc: Exception, message):
+    """The error reply flwr's runtime makes of what a ClientApp (or one of its mods)
+    raised on ``message`` (``run_clientapp``: code 2, the exception's type and text)."""
+    from flwr.app import Error, Message
+
+    return Message(Error(2, f"{type(exc)}:<'{exc}'>"), reply_to=message)
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """One intra-op thread for a test module of tiny models (``pytestmark =

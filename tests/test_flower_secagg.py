@@ -15,13 +15,14 @@ import pytest
 
 pytest.importorskip("flwr")
 
-from flwr.app import Context, Error, Message, RecordDict  # noqa: E402
+from flwr.app import Context, Message, RecordDict  # noqa: E402
 from flwr.client.mod import secaggplus_mod  # noqa: E402
 from flwr.common import Code, FitIns, FitRes, Parameters, Status, ndarrays_to_parameters, parameters_to_ndarrays  # noqa: E402
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key  # noqa: E402
 from flwr.common.serde import message_from_proto, message_to_proto  # noqa: E402
 from flwr.compat.common import recorddict_compat as compat  # noqa: E402
 
+from conftest import error_reply  # noqa: E402
 from contrafl.flower.secagg import CLIPPING_RANGE, QUANTIZATION_RANGE, SecureRound  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("task_identity")
@@ -58,8 +59,8 @@ class LocalGrid:
             received = wire(msg)
             try:
                 reply = secaggplus_mod(received, self.contexts[node], self.fit)
-            except Exception as exc:  # the error reply a SuperNode makes of what its ClientApp raises
-                reply = Message(Error(2, f"{type(exc)}:<'{exc}'>"), reply_to=received)
+            except Exception as exc:
+                reply = error_reply(exc, received)
             replies.append(wire(reply))
         return replies
 

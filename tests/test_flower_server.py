@@ -19,7 +19,7 @@ import torch
 
 pytest.importorskip("flwr")
 
-from flwr.app import Context, Error, Message, RecordDict  # noqa: E402
+from flwr.app import Context, Message, RecordDict  # noqa: E402
 
 from contrafl.config import load_config  # noqa: E402
 from contrafl.engine.run_dir import RunDir  # noqa: E402
@@ -29,6 +29,7 @@ from contrafl.errors import ContraflError  # noqa: E402
 from contrafl.flower import client_app  # noqa: E402
 from contrafl.flower.deploy import prepare_run  # noqa: E402
 from contrafl.flower.server import GridTransport  # noqa: E402
+from conftest import error_reply  # noqa: E402
 from test_orchestra import tiny_cifar  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread", "task_identity", "worker_dir")
@@ -56,8 +57,8 @@ class StandInGrid:
             context = Context(1, node, dict(self.nodes[node]), RecordDict(), self.run_config)
             try:
                 self.replies[message_id] = client_app.app(message, context)
-            except Exception as exc:  # what flwr's run_clientapp replies
-                self.replies[message_id] = Message(Error(2, f"{type(exc)}:<'{exc}'>"), reply_to=message)
+            except Exception as exc:
+                self.replies[message_id] = error_reply(exc, message)
             ids.append(message_id)
         return ids
 
