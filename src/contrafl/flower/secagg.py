@@ -33,6 +33,7 @@ weighted mean refuse (:func:`refusal`).
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 from collections.abc import Callable
@@ -184,10 +185,11 @@ class SecureRound:
         return {cid_of[proxy.node_id]: fitres for proxy, fitres in strategy.results}, [str(f) for f in strategy.failures]
 
 
+@functools.cache
 def _drop_tolerant_workflow() -> type:
     """flwr's ``SecAggPlusWorkflow``, made to survive nodes that drop out before they
-    have shared their keys (the class is made here, not at import: the ClientApp
-    imports this module, and ``flwr.server`` is the server's).
+    have shared their keys (the class is made on the first call, not at import: the
+    ClientApp imports this module, and ``flwr.server`` is the server's).
 
     flwr 1.41, and its later releases, count every node of the setup stage that sends
     no masked vector as dead in the unmask stage, and ask the others for the shares of
