@@ -4,8 +4,10 @@
 #   1. the CUDA tests: executors against each other, against the CPU, and steps replayed
 #      from CUDA graphs against eager steps (tests/test_cuda.py)
 #   2. MOON's CIFAR-10 round in the paper's setting (round_time.py), vectorized, fp32 and bf16
-#      with CUDA graphs, and fp32 without them (every step launched eagerly)
-#   3. contrafl against PFLlib on the same GPU (peers/pfllib.py), FedAvg and MOON
+#      with CUDA graphs, fp32 without them (every step launched eagerly), and fp32 with the
+#      finished clients padded (pad_finished_clients=true: one graph per phase)
+#   3. contrafl against PFLlib on the same GPU (peers/pfllib.py), FedAvg and MOON, then
+#      FedAvg again with pad_finished_clients=true
 #   4. local-training throughput of the sequential and vectorized executors (throughput.py)
 #
 #   bash benchmarks/gpu.sh CIFAR_DIR PFLLIB_CHECKOUT LOG_DIR
@@ -34,9 +36,12 @@ step cuda_tests 150 python3 -m pytest -q -p no:cacheprovider "$here/../tests/tes
 step round_time_fp32 90 python3 "$here/round_time.py" --device cuda --executor vectorized --precision fp32
 step round_time_bf16 90 python3 "$here/round_time.py" --device cuda --executor vectorized --precision bf16
 step round_time_eager 90 python3 "$here/round_time.py" --device cuda --executor vectorized --precision fp32 --no-cuda-graphs
+step round_time_padded 90 python3 "$here/round_time.py" --device cuda --executor vectorized --precision fp32 --pad-finished-clients
 if [ "$pfllib" != "-" ]; then
     step pfllib 160 python3 "$here/peers/pfllib.py" --pfllib "$pfllib" --data-dir "$data" --device cuda \
         --algorithms fedavg moon --repeats 1 --bf16 --work /tmp/contrafl-peers/pfllib
+    step pfllib_padded 90 python3 "$here/peers/pfllib.py" --pfllib "$pfllib" --data-dir "$data" --device cuda \
+        --algorithms fedavg --repeats 1 --contrafl pad_finished_clients=true --work /tmp/contrafl-peers/pfllib-padded
 fi
 step throughput 80 python3 "$here/throughput.py" --device cuda --algorithms moon --clients 10,100 \
     --modes sequential,vectorized

@@ -9,6 +9,7 @@ otherwise synthetic CIFAR-shaped images of the same size.
     python benchmarks/round_time.py                          # CPU, auto executor
     python benchmarks/round_time.py --device cuda --precision bf16
     python benchmarks/round_time.py --device cuda --no-cuda-graphs   # every step launched eagerly
+    python benchmarks/round_time.py --device cuda --pad-finished-clients   # one graph per phase
     python benchmarks/round_time.py --scaling                # 10 vs 100 clients, equal total samples
 """
 
@@ -38,6 +39,7 @@ def measure(p: dict) -> dict:
         f"num_clients={p['clients']}", "partition=dirichlet", "partition.beta=0.5", "local_epochs=10",
         "batch_size=64", "rounds=100", f"algorithm={p['algorithm']}", f"executor={p['executor']}",
         f"device={p['device']}", f"precision={p['precision']}", f"cuda_graphs={p['cuda_graphs']}",
+        f"pad_finished_clients={p['pad_finished_clients']}",
     ]
     if p["algorithm"] == "moon":
         overrides.append("algorithm.mu=5")
@@ -70,6 +72,8 @@ def main() -> None:
     parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
     parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
                         help="replay the vectorized executor's steps as CUDA graphs on a GPU (the run's cuda_graphs)")
+    parser.add_argument("--pad-finished-clients", action="store_true",
+                        help="vectorized: finished clients keep computing, masked (one CUDA graph per phase)")
     parser.add_argument("--scaling", action="store_true", help="compare 10 and 100 clients at equal total samples")
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args()
@@ -83,12 +87,13 @@ def main() -> None:
     for n in client_counts:
         p = {"data_dir": args.data_dir, "algorithm": args.algorithm, "clients": n, "rounds": args.rounds,
              "executor": args.executor, "device": args.device, "precision": args.precision,
-             "cuda_graphs": args.cuda_graphs}
+             "cuda_graphs": args.cuda_graphs, "pad_finished_clients": args.pad_finished_clients}
         r = run_isolated(Path(__file__), p)
         per_round = r["seconds"][-1]
         total_100 = r["seconds"][0] + 99 * per_round
         print(f"{args.algorithm}, {n} clients x 10 local epochs ({r['train_samples']} samples), executor {r['executor']}, "
-              f"device {r['device']}, {args.precision}, CUDA graphs {r['cuda_graphs']}:")
+              f"device {r['device']}, {args.precision}, CUDA graphs {r['cuda_graphs']}"
+              f"{', finished clients padded' if args.pad_finished_clients else ''}:")
         for t, (s, k) in enumerate(zip(r["seconds"], r["steps"])):
             print(f"  round {t}: {s:.2f} s ({k} local steps, {k * 64 / s:.0f} samples/s)")
         print(f"  => {per_round:.2f} s per round; 100 rounds ~ {total_100:.0f} s ({total_100 / 60:.1f} min); "

@@ -121,6 +121,38 @@ def test_steps_replayed_as_cuda_graphs_equal_eager_steps(tmp_path, monkeypatch, 
         assert b["train_loss"] == pytest.approx(a["train_loss"], rel=1e-5)
 
 
+@pytest.mark.usefixtures("no_tf32")
+@pytest.mark.parametrize("case", ["moon-fp32", "scaffold", "fedrep"])
+def test_padded_steps_replay_one_graph_per_phase(tmp_path, monkeypatch, case):
+    """With ``pad_finished_clients`` clients with different numbers of steps train as they
+    do in eager steps without it, and in every phase all steps but the first are
+    replayed from one graph (the one of all the chunk's clients)."""
+    from contrafl.engine.cuda_graphs import StepGraphs
+
+    calls, replays = [], []
+    run = StepGraphs.run
+
+    def counted(self, key, remaining, step):
+        before = self.replays
+        run(self, key, remaining, step)
+        calls.append((id(self), key))
+        replays.append(self.replays - before)
+
+    monkeypatch.setattr(StepGraphs, "run", counted)
+    write_cifar10(tmp_path / "cifar-10-batches-py", rows=512, test_rows=16)
+    args = [f"data_dir={tmp_path}", "dataset=cifar10", "allow_subset=true", "batch_size=8",
+            "partition=dirichlet", "partition.beta=0.5", "device=cuda", "executor=vectorized", *GRAPHED[case]]
+    eager = simulate(*args, "cuda_graphs=false")
+    calls.clear(), replays.clear()
+    padded = simulate(*args, "cuda_graphs=true", "pad_finished_clients=true")
+    assert StepGraphs.failed is None
+    assert {key for _, key in calls} == {4}  # one shape: all 4 clients in every step
+    assert sum(replays) == len(calls) - len({graphs for graphs, _ in calls}) > 0
+    assert_models_close(eager, padded, atol=1e-5)
+    for a, b in zip(eager.history, padded.history):
+        assert b["train_loss"] == pytest.approx(a["train_loss"], rel=1e-5)
+
+
 def test_tf32_and_bf16_stay_close_to_fp32(cifar):
     """PyTorch's default TF32 convolutions and precision=bf16 change a MOON run's losses by
     little (within 2%, as on the CPU); bf16 also under the vectorized executor."""

@@ -103,6 +103,9 @@ def _compare(stages, optimizer, extra=lambda cid, task: None, opt_state=None):
     seq = SequentialExecutor(Workload.single(x, y, tf, net, stages, optimizer)).train(jobs)
     x, y, tf, jobs = _jobs(params, buffers, extra, opt_state)
     vec = VectorizedExecutor(Workload.single(x, y, tf, net, stages, optimizer), memory_bytes=2**30).train(jobs)
+    x, y, tf, jobs = _jobs(params, buffers, extra, opt_state)
+    padded = VectorizedExecutor(Workload.single(x, y, tf, net, stages, optimizer), 2**30, pad_finished=True).train(jobs)
+    _assert_same_results(vec, padded)
     for a, b, n in zip(seq, vec, SIZES):
         assert a.steps == b.steps == 2 * (n // 16)
         for role in a.params:
@@ -119,6 +122,18 @@ def _compare(stages, optimizer, extra=lambda cid, task: None, opt_state=None):
     for k, v in buffers.items():
         assert torch.equal(vec[2].buffers["model"][k], v)
     return seq, vec
+
+
+def _assert_same_results(a: list[TrainResult], b: list[TrainResult]) -> None:
+    """Equal parameters, buffers, statistics, steps and optimiser states (to float
+    rounding: a batched matmul over more clients may sum in another order)."""
+    for ra, rb in zip(a, b, strict=True):
+        assert ra.steps == rb.steps
+        for x, y in ((ra.params, rb.params), (ra.buffers, rb.buffers), (ra.stats, rb.stats), (ra.opt_state, rb.opt_state)):
+            (xs, sx), (ys, sy) = pytree.tree_flatten(x), pytree.tree_flatten(y)
+            assert sx == sy
+            for u, v in zip(xs, ys):
+                torch.testing.assert_close(v, u, rtol=0, atol=1e-6)
 
 
 def test_supervised_sgd_momentum():
@@ -366,6 +381,8 @@ def test_phases_with_their_own_epochs_batches_and_optimisers_agree_across_execut
     seq = SequentialExecutor(Workload(x, y, tf, net, phases)).train(jobs)
     x, y, tf, jobs = _body_head_jobs(model, [(1, 8), (2, 16)])
     vec = VectorizedExecutor(Workload(x, y, tf, net, phases), memory_bytes=2**30).train(jobs)
+    x, y, tf, jobs = _body_head_jobs(model, [(1, 8), (2, 16)])
+    _assert_same_results(vec, VectorizedExecutor(Workload(x, y, tf, net, phases), 2**30, pad_finished=True).train(jobs))
     for a, b, n in zip(seq, vec, SIZES):
         assert a.steps == b.steps == n // 8 + 2 * (n // 16)
         assert len(a.opt_state) == len(b.opt_state) == 2
@@ -459,6 +476,57 @@ def test_step_graphs_fall_back_to_eager_steps_when_a_capture_fails():
             graphs.run(4, 12 - s, lambda: done.append(s))
     assert done == list(range(12)) and graphs.replays == 0 and not graphs.enabled
     assert StepGraphs.failed is None  # a stand-in's failure does not switch off the process's real graphs
+
+
+def test_padded_steps_replay_one_graph_per_phase(monkeypatch):
+    """With ``pad_finished`` every step of the phase has one shape: after one eager step
+    all the others replay the graph captured at the second (which reads the mask of
+    active clients from a fixed address), and the clients come out as without padding,
+    the one without a step untouched."""
+    from contrafl.engine import vectorized
+    from contrafl.engine.cuda_graphs import StepGraphs
+
+    made = []
+
+    def stand_in(device, wanted):
+        made.append(StepGraphs(True, new_graph=_RecordedGraph))
+        return made[-1]
+
+    model = _model()
+    params, buffers = _split(model)
+    x, y, tf, client_rows = _data()
+
+    def jobs():  # 4 epochs: 16, 8, 0 and 12 steps
+        return [
+            Job(cid, LocalTask(params={"model": dict(params)}, buffers={"model": dict(buffers)}),
+                [make_plan(rows, 4, 16, True, tf.sample, 1, generator(0, "plan", cid))], seed=cid)
+            for cid, rows in enumerate(client_rows)
+        ]
+
+    workload = Workload.single(x, y, tf, FunctionalNet(model), [Stage(supervised)], SGD(0.05, 0.9))
+    eager = VectorizedExecutor(workload, 2**30).train(jobs())
+    monkeypatch.setattr(vectorized.StepGraphs, "for_device", staticmethod(stand_in))
+    replayed = VectorizedExecutor(workload, 2**30, pad_finished=True).train(jobs())
+    assert [r.steps for r in replayed] == [16, 8, 0, 12]
+    assert set(made[0].graphs) == {4} and made[0].replays == 15
+    _assert_same_results(eager, replayed)
+    assert all(torch.equal(replayed[2].params["model"][k], v) for k, v in params.items())
+
+
+def test_padded_runs_give_the_unpadded_results():
+    """``pad_finished_clients=true`` reaches the vectorized executor of a run, and the run
+    (clients of unequal sizes) ends as without it."""
+    from conftest import simulate
+    from contrafl.engine.simulation import make_executor
+
+    args = ["executor=vectorized", "partition=dirichlet", "partition.beta=0.3", "local_epochs=2", "algorithm=scaffold"]
+    plain, padded = simulate(*args), simulate(*args, "pad_finished_clients=true")
+    assert make_executor("vectorized", None, padded.cfg).pad_finished
+    assert len({len(rows) for rows in padded.rows}) > 1  # the clients' steps differ
+    for k, v in plain.server.model.items():
+        torch.testing.assert_close(padded.server.model[k], v, rtol=0, atol=1e-6)
+    for a, b in zip(plain.history, padded.history):
+        assert b["train_loss"] == pytest.approx(a["train_loss"], rel=1e-6)
 
 
 def test_step_graphs_only_on_a_gpu():

@@ -1,7 +1,7 @@
 """contrafl against the official MOON code (https://github.com/QinbinLi/MOON) on its
 README's CIFAR-10 job, cut to 3 rounds.
 
-    python benchmarks/peers/moon_official.py --moon PATH --data-dir DIR [--repeats 2]
+    python benchmarks/peers/moon_official.py --moon PATH --data-dir DIR [--repeats 2] [--bf16]
 
 PATH is a checkout of QinbinLi/MOON, run unchanged through ``run_peer.py`` (``.cuda()``
 made a no-op without CUDA, torchvision's CIFAR checksums accepted so that a subset in
@@ -23,6 +23,9 @@ evaluates every client's model on its training data and on the whole test set be
 after its local training, and the global model on the whole training and test sets,
 every round; contrafl evaluates the global model on the test set once a round. That is
 part of each program's job as its users run it.
+
+``--bf16`` also runs contrafl with ``precision=auto`` (bfloat16 autocast where the CPU
+has AMX or AVX512-BF16, else fp32) in every repeat and prints its ratio beside fp32's.
 """
 
 from __future__ import annotations
@@ -69,6 +72,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--python", default=sys.executable, help="interpreter of both programs (default: this one)")
     p.add_argument("--work", type=Path, default=Path("/tmp/contrafl-peers/moon"), help="run directories and logs")
+    p.add_argument("--bf16", action="store_true",
+                   help="also time contrafl with precision=auto (bf16 where the CPU has AMX or AVX512-BF16)")
     p.add_argument("--json", type=Path, help="also write the results here")
     a = p.parse_args()
 
@@ -103,19 +108,22 @@ def main() -> None:
     print(f"contrafl: {show(cf_base + ['--out', str(a.work / 'contrafl-K'), '--quiet'])}")
     print(f"MOON:     {show(peer_base + [f'--logdir={a.work}/moon-K', f'--modeldir={a.work}/moon-K/models', '--log_file_name=log'])}")
 
-    times: dict[str, list[float]] = {"contrafl": [], "moon": []}
-    accs: dict[str, list] = {"contrafl": [], "moon": []}
+    variants = {"contrafl": []} | ({"contrafl_bf16": ["precision=auto"]} if a.bf16 else {})
+    times: dict[str, list[float]] = {name: [] for name in [*variants, "moon"]}
+    accs: dict[str, list] = {name: [] for name in [*variants, "moon"]}
     for k in range(a.repeats):
-        out_dir = a.work / f"contrafl-{k}"
-        wall, rc, out = timed(cf_base + ["--out", str(out_dir), "--quiet"], None, a.work / f"contrafl-{k}.log")
-        if rc != 0:
-            print(out[-3000:])
-            fail(f"contrafl exited {rc}")
-        summary = json.loads((out_dir / "summary.json").read_text())
-        acc = summary["final"].get("test_acc")
-        times["contrafl"].append(wall)
-        accs["contrafl"].append(acc)
-        print(f"  run {k}: contrafl {wall:7.1f} s  test_acc after {a.rounds} rounds {acc}   (load {load()})")
+        for name, extra in variants.items():
+            out_dir = a.work / f"{name}-{k}"
+            wall, rc, out = timed(cf_base + extra + ["--out", str(out_dir), "--quiet"], None, a.work / f"{name}-{k}.log")
+            if rc != 0:
+                print(out[-3000:])
+                fail(f"contrafl exited {rc}")
+            summary = json.loads((out_dir / "summary.json").read_text())
+            acc = summary["final"].get("test_acc")
+            times[name].append(wall)
+            accs[name].append(acc)
+            label = "contrafl" + (" (precision=auto)" if extra else "")
+            print(f"  run {k}: {label} {wall:7.1f} s  test_acc after {a.rounds} rounds {acc}   (load {load()})")
 
         logdir = a.work / f"moon-{k}"
         cmd = peer_base + [f"--logdir={logdir}", f"--modeldir={logdir}/models", "--log_file_name=log"]
@@ -132,8 +140,13 @@ def main() -> None:
 
     m_cf, m_moon = median(times["contrafl"]), median(times["moon"])
     print(f"\nmedian: contrafl {m_cf:.1f} s, official MOON {m_moon:.1f} s -> MOON / contrafl = {m_moon / m_cf:.2f}x")
+    result = {"times": times, "accs": accs, "ratio": m_moon / m_cf}
+    if a.bf16:
+        m_bf = median(times["contrafl_bf16"])
+        print(f"median: contrafl precision=auto {m_bf:.1f} s -> MOON / contrafl = {m_moon / m_bf:.2f}x")
+        result["ratio_bf16"] = m_moon / m_bf
     if a.json:
-        a.json.write_text(json.dumps({"times": times, "accs": accs, "ratio": m_moon / m_cf}, indent=1))
+        a.json.write_text(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":

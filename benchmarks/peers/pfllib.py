@@ -179,6 +179,8 @@ def main() -> None:
     p.add_argument("--beta", type=float, default=0.1, help="Dirichlet concentration (PFLlib's default alpha)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where both programs train (PFLlib's -dev)")
+    p.add_argument("--contrafl", nargs="+", default=[], metavar="SETTING",
+                   help="more settings of contrafl's runs (e.g. pad_finished_clients=true)")
     p.add_argument("--json", type=Path, help="also write the results here")
     p.add_argument("--bf16", action="store_true",
                    help="also time contrafl with precision=auto (bfloat16 autocast where the CPU has AMX or AVX512-BF16) "
@@ -202,7 +204,7 @@ def main() -> None:
     results = []
     for algo in a.algorithms:
         peer_algo, peer_flags, cf_overrides = ALGORITHMS[algo]
-        cf_base = contrafl_command(a.python) + ["run"] + common_overrides(a) + cf_overrides + [f"device={a.device}"]
+        cf_base = contrafl_command(a.python) + ["run"] + common_overrides(a) + cf_overrides + [f"device={a.device}", *a.contrafl]
         peer_cmd = [a.python, "-u", "main.py", "-data", name, "-m", "CNN", "-algo", peer_algo,
                     "-gr", str(a.rounds - 1), "-ls", str(a.local_epochs), "-lbs", str(a.batch_size),
                     "-lr", str(a.lr), "-nc", str(a.clients), "-jr", "1", "-eg", "1", "-t", "1",

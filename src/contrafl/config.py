@@ -146,6 +146,7 @@ class Config:
     update_outlier_factor: float = P.param(0.0, _nonneg, "reject an update whose norm is more than this many times the round's median update norm; 0 = off")
     vectorize_memory_gb: float = P.param(2.0, _pos, "memory budget of one vectorized chunk of clients")
     cuda_graphs: bool = P.param(True, None, "vectorized executor on a GPU: replay each training step as a CUDA graph (a step that cannot be captured runs eagerly, with a warning)")
+    pad_finished_clients: bool = P.param(False, None, "vectorized executor: clients that have finished their steps keep computing, their updates discarded, so that every step of a phase has one shape (one CUDA graph instead of one per number of clients still training)")
     tracking: str = P.param("none", Trackers(), "where else to log the config, every round's metrics and the summary: none, or tensorboard, mlflow, csv, several comma-separated (docs/tracking.md; pip install \"contrafl[tracking]\")")
     tracking_uri: str | None = P.param(None, None, "MLflow tracking URI (auto: $MLFLOW_TRACKING_URI, else a SQLite store in RUN_DIR/mlflow)")
 
@@ -175,6 +176,7 @@ EXECUTION_SETTINGS = (
     "client_memory_gb",
     "vectorize_memory_gb",
     "cuda_graphs",
+    "pad_finished_clients",
     "checkpoint_every",
     "tracking",
     "tracking_uri",

@@ -151,7 +151,7 @@ class Transport(Protocol):
 def make_executor(name: str, workload: Workload, cfg: Config):
     """The executor ``name`` for ``workload``."""
     if name == "vectorized":
-        return VectorizedExecutor(workload, cfg.vectorize_memory_gb * 2**30, cfg.cuda_graphs)
+        return VectorizedExecutor(workload, cfg.vectorize_memory_gb * 2**30, cfg.cuda_graphs, cfg.pad_finished_clients)
     if name == "parallel":
         workers = cfg.workers or cpu_cores()
         return ParallelExecutor(workload, workers, threads=max(1, cpu_cores() // workers))

@@ -14,6 +14,18 @@ BatchNorm statistics touched. Tensors shared by all clients (the broadcast globa
 SCAFFOLD's server control variate) are passed unbatched (``in_dims=None``) instead of
 being copied per client.
 
+With ``pad_finished`` every step computes all the clients of the phase instead: the
+ones that have finished run on stale batches, and their parameters, buffers, optimiser
+states and statistics are put back after the step (``torch.where`` on a mask, so that
+nothing they compute, NaN included, reaches them). Every step of a phase then has one
+shape, so one CUDA graph and one eager warm-up step serve the whole phase instead of
+one of each per number of clients still training. On a GPU, where launching a step
+costs more than computing it, the finished clients' wasted arithmetic may cost less
+than the eager steps it saves, the more so the more the clients' step counts differ.
+Random draws inside a step (dropout) are then made for every client, so a model with
+dropout gives other, equally valid numbers than without padding; explicit per-client
+noise (:attr:`Stage.noise`) is drawn for the active clients only, as without it.
+
 Clients are trained in chunks that fit ``memory_bytes``; the per-client memory is
 measured on the first client by counting the tensors autograd saves for one step.
 """
@@ -111,10 +123,13 @@ class VectorizedExecutor:
 
     name = "vectorized"
 
-    def __init__(self, workload: Workload, memory_bytes: float, cuda_graphs: bool = True) -> None:
+    def __init__(
+        self, workload: Workload, memory_bytes: float, cuda_graphs: bool = True, pad_finished: bool = False
+    ) -> None:
         self.workload = workload
         self.memory_bytes = memory_bytes
         self.cuda_graphs = cuda_graphs  # on a CUDA device: replay steps as CUDA graphs (cuda_graphs.py)
+        self.pad_finished = pad_finished  # every step computes all clients, finished ones masked (module doc)
         self._grad_fns: dict[tuple, Callable] = {}
 
     def client_bytes(self, job: Job) -> int:
@@ -122,6 +137,8 @@ class VectorizedExecutor:
         task = job.task
         params = state_bytes(task.params)
         per_client = 4 * params + state_bytes(task.buffers)  # params, grads, optimiser state, update temporaries
+        if self.pad_finished:  # the step's copies of the parameters, optimiser state and buffers
+            per_client += 2 * params + state_bytes(task.buffers)
         per_client += sum(state_bytes(v) for v in task.frozen.values())
         per_client += sum(plan.order.numel() for plan in job.plans) * 8
         return per_client + 2 * saved_bytes_of_step(self.workload, job)
@@ -215,8 +232,12 @@ class VectorizedExecutor:
         graphs = StepGraphs.for_device(w.x.device, self.cuda_graphs)
         if p == 0:
             seed_global(jobs[0].seed, w.x.device)
+        pad = self.pad_finished
+        live = torch.ones(K, dtype=torch.bool, device=w.x.device)  # pad: the clients still training (fixed address)
+        kept = pytree.tree_leaves((params, buffers, opt_states))  # pad: what a finished client must not change
 
         def step(a: int) -> None:
+            before = [t.clone() for t in kept] if pad else []
             r = batch_rows[:a]
             raw = w.x[r]
             views = [
@@ -248,9 +269,13 @@ class VectorizedExecutor:
                         set_values(params, update(_sliced(params, a), bufs, fz, cs, x, y, noise), a)
                     for k, v in stats.items():
                         v = v.detach().float()
+                        if pad:
+                            v = torch.where(_per_client(live, v), v, 0.0)
                         if k not in totals:
                             totals[k] = torch.zeros((K,) + v.shape[1:], device=v.device)
                         totals[k][:a] += v
+            for t, old in zip(kept, before):
+                t.copy_(torch.where(_per_client(live, t), t, old))
 
         for s in range(S):
             a = sum(1 for n in steps if n > s)
@@ -262,7 +287,11 @@ class VectorizedExecutor:
                 for dst in reps:
                     for name, t in _stack_noise([draw_noise(stage, g, w.x.device) for g in noise_gens[:a]]).items():
                         dst[name][:a].copy_(t)
-            graphs.run(a, steps[a - 1] - s, lambda a=a: step(a))
+            if pad:
+                live.copy_(torch.arange(K, device=live.device) < a)
+                graphs.run(K, S - s, lambda: step(K))
+            else:
+                graphs.run(a, steps[a - 1] - s, lambda a=a: step(a))
             for i in range(a):
                 if s in jobs[i].plans[p].epoch_ends:
                     for name, role in tasks[0].snapshots.items():
@@ -323,6 +352,11 @@ class _Progress:
 def _stack_noise(per_client: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """The clients' noise tensors stacked along a leading client dimension."""
     return {name: torch.stack([n[name] for n in per_client]) for name in per_client[0]}
+
+
+def _per_client(mask: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """``mask`` (one entry per client) shaped to broadcast over ``t`` (clients first)."""
+    return mask.view((-1,) + (1,) * (t.dim() - 1))
 
 
 def _sliced(params: dict[str, dict[str, torch.Tensor]], a: int) -> dict[str, dict[str, torch.Tensor]]:
