@@ -121,8 +121,18 @@ def test_steps_replayed_as_cuda_graphs_equal_eager_steps(tmp_path, monkeypatch, 
         assert b["train_loss"] == pytest.approx(a["train_loss"], rel=1e-5)
 
 
+PADDED = {
+    "moon": GRAPHED["moon-fp32"],
+    "scaffold": GRAPHED["scaffold"],
+    # one round: over two, FedRep's two phases amplify float differences (its vectorized
+    # and sequential runs already differ by 1e-3 on the CPU; padded and unpadded by 9e-5
+    # there after two rounds, 7e-9 after one)
+    "fedrep": [*GRAPHED["fedrep"], "rounds=1"],
+}
+
+
 @pytest.mark.usefixtures("no_tf32")
-@pytest.mark.parametrize("case", ["moon-fp32", "scaffold", "fedrep"])
+@pytest.mark.parametrize("case", list(PADDED))
 def test_padded_steps_replay_one_graph_per_phase(tmp_path, monkeypatch, case):
     """With ``pad_finished_clients`` clients with different numbers of steps train as they
     do in eager steps without it, and in every phase all steps but the first are
@@ -141,9 +151,10 @@ def test_padded_steps_replay_one_graph_per_phase(tmp_path, monkeypatch, case):
     monkeypatch.setattr(StepGraphs, "run", counted)
     write_cifar10(tmp_path / "cifar-10-batches-py", rows=512, test_rows=16)
     args = [f"data_dir={tmp_path}", "dataset=cifar10", "allow_subset=true", "batch_size=8",
-            "partition=dirichlet", "partition.beta=0.5", "device=cuda", "executor=vectorized", *GRAPHED[case]]
+            "partition=dirichlet", "partition.beta=0.5", "device=cuda", "executor=vectorized", *PADDED[case]]
     eager = simulate(*args, "cuda_graphs=false")
-    calls.clear(), replays.clear()
+    calls.clear()
+    replays.clear()
     padded = simulate(*args, "cuda_graphs=true", "pad_finished_clients=true")
     assert StepGraphs.failed is None
     assert {key for _, key in calls} == {4}  # one shape: all 4 clients in every step
