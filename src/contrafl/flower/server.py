@@ -26,7 +26,7 @@ from flwr.app import Message, MessageType, RecordDict
 from flwr.serverapp import Grid
 
 from .node import USER_ERROR
-from .secagg import SecureRound, request_fitins
+from .secagg import PolledGrid, SecureRound, request_fitins
 
 POLL_S = 0.2
 
@@ -227,7 +227,7 @@ class SecureTransport(GridTransport):
     def __init__(self, grid: Grid, context: Any, seed: int, max_weight: int, *args: Any, **kwargs: Any) -> None:
         super().__init__(grid, *args, **kwargs)
         self.seed = seed
-        self.secure = SecureRound(grid, context, self.round_timeout, float(max(1, max_weight)))
+        self.secure = SecureRound(PolledGrid(grid, POLL_S), context, self.round_timeout, float(max(1, max_weight)))
 
     def train(
         self, t: int, cids: list[int], message_for: Callable[[int], dict[str, Any]], phases: list[Phase]
