@@ -21,7 +21,10 @@ model loaded. ``contrafl deploy`` gives each client's torch ``cores // clients``
 threads; the deployment's metrics equal, bit for bit, those of the simulator mode that
 trains each client with as many threads (on 2 cores and 3 clients: one thread, the
 parallel executor of ``auto``); the script says which ones are identical.
-``--supernode-poll 3`` gives the SuperNodes flwr's own 3 s wait.
+``--supernode-poll 3`` gives the SuperNodes flwr's own 3 s wait. ``--secure-aggregation``
+adds a fourth run, ``contrafl deploy --secure-aggregation`` (SecAgg+ on the same
+deployment's settings), whose rounds are compared with the plain deployment's (its
+metrics differ from the others' by SecAgg+'s quantisation, so they are not compared).
 
     python benchmarks/flower_overhead.py --data-dir ../shared/data/cifar-10-batches-py
 """
@@ -52,6 +55,7 @@ def main() -> None:
     ap.add_argument("--local-epochs", type=int, default=1)
     ap.add_argument("--out", default="runs/bench-flower", help="folder for the three run directories")
     ap.add_argument("--supernode-poll", type=float, default=0.2, help="contrafl deploy --supernode-poll (3: flwr's wait)")
+    ap.add_argument("--secure-aggregation", action="store_true", help="also deploy with SecAgg+")
     args = ap.parse_args()
 
     from contrafl.cli import main as contrafl
@@ -66,11 +70,15 @@ def main() -> None:
     print(f"machine: {machine()}")
     print(f"MOON, {args.clients} clients, {args.rounds} rounds of {args.local_epochs} local epoch(s), data {data_dir}\n")
     results = {}
-    for name, folder, command in [
+    deploy = ["deploy", "--supernode-poll", str(args.supernode_poll)]
+    modes = [
         ("simulator, sequential", "sequential", ["run", "--quiet", "executor=sequential"]),
         ("simulator, auto", "auto", ["run", "--quiet"]),
-        ("Flower deployment", "flower", ["deploy", "--supernode-poll", str(args.supernode_poll)]),
-    ]:
+        ("Flower deployment", "flower", deploy),
+    ]
+    if args.secure_aggregation:
+        modes.append(("Flower, SecAgg+", "flower-secure", [*deploy, "--secure-aggregation"]))
+    for name, folder, command in modes:
         began = time.perf_counter()
         assert contrafl([command[0], "--out", str(out / folder), *command[1:], *settings]) == 0
         wall = time.perf_counter() - began
@@ -83,6 +91,9 @@ def main() -> None:
     print()
     for name in ("simulator, sequential", "simulator, auto"):
         print(f"metrics.jsonl of the deployment identical to {name}: {results['Flower deployment'][2] == results[name][2]}")
+    if args.secure_aggregation:
+        plain, secure = (statistics.median(results[n][0][1:]) for n in ("Flower deployment", "Flower, SecAgg+"))
+        print(f"SecAgg+ adds {secure - plain:.2f} s per round to the plain deployment's {plain:.2f} s")
 
 
 if __name__ == "__main__":
