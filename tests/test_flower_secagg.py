@@ -10,6 +10,8 @@ a SuperNode sends it.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
@@ -122,8 +124,6 @@ class SlowNodes:
         return [f"m{i}" for i, _ in enumerate(messages)]
 
     def pull_messages(self, message_ids):
-        from types import SimpleNamespace
-
         self.pulls += 1
         answered = min(self.pulls, self.n - 1 if self.silent else self.n)
         return [SimpleNamespace(metadata=SimpleNamespace(reply_to_message_id=m)) for m in message_ids if int(m[1:]) < answered]
