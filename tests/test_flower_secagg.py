@@ -10,8 +10,6 @@ a SuperNode sends it.
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import numpy as np
 import pytest
 
@@ -111,45 +109,6 @@ def test_a_secure_round_gives_the_mean_of_the_clients_that_sent_masked_vectors(c
         (mean,) = parameters_to_ndarrays(fitres.parameters)
         assert np.abs(mean - expected).max() < TOLERANCE
     assert np.abs(expected - weighted_mean(updates, list(range(clients)))).max() > 100 * TOLERANCE or not drop_at
-
-
-class SlowNodes:
-    """A grid on which the reply to the ``i``-th pushed message comes from the ``i + 1``-th
-    pull on; the last message gets none when ``silent``."""
-
-    def __init__(self, n: int, silent: bool = False) -> None:
-        self.n, self.silent, self.pulls = n, silent, 0
-
-    def push_messages(self, messages):
-        return [f"m{i}" for i, _ in enumerate(messages)]
-
-    def pull_messages(self, message_ids):
-        self.pulls += 1
-        answered = min(self.pulls, self.n - 1 if self.silent else self.n)
-        return [SimpleNamespace(metadata=SimpleNamespace(reply_to_message_id=m)) for m in message_ids if int(m[1:]) < answered]
-
-    def get_node_ids(self):
-        return list(range(self.n))
-
-
-def test_polled_grid_waits_for_every_reply_or_the_timeout(monkeypatch):
-    """``PolledGrid.send_and_receive`` pulls every ``poll`` seconds (not flwr's 3 s)
-    until every reply is in, gives up at the timeout with what came, and leaves the
-    rest of the grid as it is."""
-    from contrafl.flower import secagg
-
-    sleeps = []
-    monkeypatch.setattr(secagg.time, "sleep", sleeps.append)
-    nodes = SlowNodes(3)
-    got = secagg.PolledGrid(nodes, poll=0.05).send_and_receive(["a", "b", "c"], timeout=None)
-    assert sorted(r.metadata.reply_to_message_id for r in got) == ["m0", "m1", "m2"]
-    assert nodes.pulls == 3 and sleeps == [0.05, 0.05]
-
-    silent, clock = SlowNodes(3, silent=True), iter(range(100))  # one second per look at the clock
-    monkeypatch.setattr(secagg.time, "monotonic", lambda: next(clock))
-    got = secagg.PolledGrid(silent, poll=0.05).send_and_receive(["a", "b", "c"], timeout=5)
-    assert sorted(r.metadata.reply_to_message_id for r in got) == ["m0", "m1"] and silent.pulls == 5
-    assert secagg.PolledGrid(silent, poll=0.05).get_node_ids() == [0, 1, 2]
 
 
 def test_a_secure_round_with_too_few_clients_left_gives_no_results():

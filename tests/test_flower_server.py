@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import uuid
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -140,3 +141,42 @@ def test_every_round_needs_min_replies_whatever_keeps_the_clients_from_replying(
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and err[0].startswith(f"contrafl: missing file {empty}/cifar-10-batches-py/")  # the node's log
     assert str(stopped.value).startswith(f"round 1: 2 of 3 clients replied, fewer than min_replies=3 (client 1: {err[0].removeprefix('contrafl: ')}); ")
+
+
+class SlowNodes:
+    """A grid on which the reply to the ``i``-th pushed message comes from the ``i + 1``-th
+    pull on; the last message gets none when ``silent``."""
+
+    def __init__(self, n: int, silent: bool = False) -> None:
+        self.n, self.silent, self.pulls = n, silent, 0
+
+    def push_messages(self, messages):
+        return [f"m{i}" for i, _ in enumerate(messages)]
+
+    def pull_messages(self, message_ids):
+        self.pulls += 1
+        answered = min(self.pulls, self.n - 1 if self.silent else self.n)
+        return [SimpleNamespace(metadata=SimpleNamespace(reply_to_message_id=m)) for m in message_ids if int(m[1:]) < answered]
+
+    def get_node_ids(self):
+        return list(range(self.n))
+
+
+def test_polled_grid_waits_for_every_reply_or_the_timeout(monkeypatch):
+    """``PolledGrid.send_and_receive`` pulls every ``POLL_S`` (not flwr's 3 s) until
+    every reply is in, gives up once the timeout has passed with what came, and leaves
+    the rest of the grid as it is."""
+    from contrafl.flower import server
+
+    sleeps = []
+    monkeypatch.setattr(server.time, "sleep", sleeps.append)
+    nodes = SlowNodes(3)
+    got = server.PolledGrid(nodes).send_and_receive(["a", "b", "c"], timeout=None)
+    assert sorted(r.metadata.reply_to_message_id for r in got) == ["m0", "m1", "m2"]
+    assert nodes.pulls == 3 and sleeps == [server.POLL_S] * 2
+
+    silent, clock = SlowNodes(3, silent=True), iter(range(100))  # one second per look at the clock
+    monkeypatch.setattr(server.time, "monotonic", lambda: next(clock))
+    got = server.PolledGrid(silent).send_and_receive(["a", "b", "c"], timeout=5)
+    assert sorted(r.metadata.reply_to_message_id for r in got) == ["m0", "m1"] and silent.pulls == 6
+    assert server.PolledGrid(silent).get_node_ids() == [0, 1, 2]

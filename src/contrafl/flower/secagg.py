@@ -36,8 +36,7 @@ from __future__ import annotations
 import functools
 import json
 import random
-import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -141,34 +140,6 @@ def outcome_tree(fitres: FitRes) -> RecordDict:
     arrays = dict(rest["arrays"].items())
     arrays.update({name: Array(np.ascontiguousarray(m.astype(dtype))) for (name, dtype), m in zip(names, mean, strict=True)})
     return RecordDict({"arrays": ArrayRecord(arrays, keep_input=False), "tree": rest["tree"]})
-
-
-class PolledGrid:
-    """``grid`` with a ``send_and_receive`` that pulls the replies every ``poll`` seconds.
-
-    flwr 1.41's ``Grid.send_and_receive`` sleeps 3 s after every pull that leaves a reply
-    missing, and the first pull comes right after the push, before any node can have
-    answered: each of SecAgg+'s four stages took at least 3 s, 12 s a round. Everything
-    else is ``grid``'s own. It returns the replies once all are in, or what has come
-    when ``timeout`` seconds have passed (``None``: no limit), as flwr's does."""
-
-    def __init__(self, grid: Any, poll: float) -> None:
-        self.grid, self.poll = grid, poll
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.grid, name)
-
-    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> list[Message]:
-        pending = set(self.grid.push_messages(messages))
-        deadline = time.monotonic() + (timeout or 0.0)
-        replies: list[Message] = []
-        while True:
-            got = list(self.grid.pull_messages(list(pending)))
-            replies += got
-            pending -= {reply.metadata.reply_to_message_id for reply in got}
-            if not pending or (timeout is not None and time.monotonic() >= deadline):
-                return replies
-            time.sleep(self.poll)
 
 
 class SecureRound:

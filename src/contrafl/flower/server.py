@@ -14,7 +14,7 @@ own code.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from ..algorithms.base import Phase, Reply
@@ -26,7 +26,7 @@ from flwr.app import Message, MessageType, RecordDict
 from flwr.serverapp import Grid
 
 from .node import USER_ERROR
-from .secagg import PolledGrid, SecureRound, request_fitins
+from .secagg import SecureRound, request_fitins
 
 POLL_S = 0.2
 
@@ -144,22 +144,10 @@ class GridTransport:
         }
 
     def replies(self, message_ids: list[str], timeout: float) -> Iterator[Message]:
-        """The replies to ``message_ids`` as they arrive (polled every ``POLL_S``), until
-        all are in or ``timeout`` seconds have passed. Answers to queries that come in
-        meanwhile are collected too (an unfit SuperNode is reported as soon as it says so)."""
-        pending = set(message_ids)
-        deadline = time.monotonic() + timeout
-        while pending:
-            for reply in self.grid.pull_messages(list(pending)):
-                if reply.metadata.reply_to_message_id in pending:
-                    pending.discard(reply.metadata.reply_to_message_id)
-                    yield reply
-            if pending:
-                if time.monotonic() > deadline:
-                    return
-                if self.queries:
-                    self.collect_answers()
-                time.sleep(POLL_S)
+        """The replies to ``message_ids`` as they arrive (:func:`pull_replies`). Answers to
+        queries that come in meanwhile are collected too (an unfit SuperNode is reported
+        as soon as it says so)."""
+        return pull_replies(self.grid, message_ids, timeout, while_waiting=self.collect_answers)
 
     def nodes(self, cids: list[int]) -> dict[int, int]:
         """``{client id: node id}`` of the online SuperNodes the server knows, waiting
@@ -211,6 +199,45 @@ class GridTransport:
         self.partition_of = {node: c for node, c in self.partition_of.items() if c != cid}
 
 
+def pull_replies(
+    grid: Grid, message_ids: Iterable[str], timeout: float | None, while_waiting: Callable[[], None] = lambda: None
+) -> Iterator[Message]:
+    """The replies to ``message_ids`` as they arrive, pulled every :data:`POLL_S`, until
+    all are in or ``timeout`` seconds have passed (``None``: no limit); ``while_waiting``
+    runs before each wait."""
+    pending = set(message_ids)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while pending:
+        for reply in grid.pull_messages(list(pending)):
+            if reply.metadata.reply_to_message_id in pending:
+                pending.discard(reply.metadata.reply_to_message_id)
+                yield reply
+        if pending:
+            if deadline is not None and time.monotonic() > deadline:
+                return
+            while_waiting()
+            time.sleep(POLL_S)
+
+
+class PolledGrid:
+    """``grid`` whose ``send_and_receive`` pulls the replies every :data:`POLL_S`
+    (:func:`pull_replies`), for Flower's SecAgg+ workflow.
+
+    flwr 1.41's ``Grid.send_and_receive`` sleeps 3 s after every pull that leaves a reply
+    missing, and the first pull comes right after the push, before any node can have
+    answered: each of SecAgg+'s four stages took at least 3 s, 12 s a round. Everything
+    else is ``grid``'s own."""
+
+    def __init__(self, grid: Grid) -> None:
+        self.grid = grid
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.grid, name)
+
+    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> list[Message]:
+        return list(pull_replies(self.grid, self.grid.push_messages(messages), timeout))
+
+
 class SecureTransport(GridTransport):
     """A :class:`GridTransport` whose training rounds run through Flower's SecAgg+
     (:mod:`contrafl.flower.secagg`): the server sees each client's reply with the
@@ -227,7 +254,7 @@ class SecureTransport(GridTransport):
     def __init__(self, grid: Grid, context: Any, seed: int, max_weight: int, *args: Any, **kwargs: Any) -> None:
         super().__init__(grid, *args, **kwargs)
         self.seed = seed
-        self.secure = SecureRound(PolledGrid(grid, POLL_S), context, self.round_timeout, float(max(1, max_weight)))
+        self.secure = SecureRound(PolledGrid(grid), context, self.round_timeout, float(max(1, max_weight)))
 
     def train(
         self, t: int, cids: list[int], message_for: Callable[[int], dict[str, Any]], phases: list[Phase]
