@@ -88,34 +88,44 @@ GRAPHED = {
 }
 
 
-@pytest.mark.usefixtures("no_tf32")
-@pytest.mark.parametrize("case", list(GRAPHED))
-def test_steps_replayed_as_cuda_graphs_equal_eager_steps(tmp_path, monkeypatch, case):
-    """The vectorized executor's steps replayed from CUDA graphs compute what eager steps
-    compute, and they are replayed: all steps of a phase but the first (eager; the second
-    is captured first)."""
+@pytest.fixture
+def step_calls(monkeypatch):
+    """Every ``StepGraphs.run`` call from here on: (its StepGraphs, the key, whether it
+    replayed a graph)."""
     from contrafl.engine.cuda_graphs import StepGraphs
 
-    replays = []
+    calls = []
     run = StepGraphs.run
 
     def counted(self, key, remaining, step):
         before = self.replays
         run(self, key, remaining, step)
-        replays.append(self.replays - before)
+        calls.append((id(self), key, self.replays - before))
 
     monkeypatch.setattr(StepGraphs, "run", counted)
+    return calls
+
+
+@pytest.mark.usefixtures("no_tf32")
+@pytest.mark.parametrize("case", list(GRAPHED))
+def test_steps_replayed_as_cuda_graphs_equal_eager_steps(tmp_path, step_calls, case):
+    """The vectorized executor's steps replayed from CUDA graphs compute what eager steps
+    compute, and they are replayed: all steps of a phase but the first (eager; the second
+    is captured first)."""
+    from contrafl.engine.cuda_graphs import StepGraphs
+
     write_cifar10(tmp_path / "cifar-10-batches-py", rows=512, test_rows=16)
     args = [f"data_dir={tmp_path}", "dataset=cifar10", "allow_subset=true", "batch_size=8", "partition=iid",
             "device=cuda", "executor=vectorized", *GRAPHED[case]]
     eager = simulate(*args, "cuda_graphs=false")
-    assert sum(replays) == 0
+    assert sum(r for *_, r in step_calls) == 0
     graphed = simulate(*args, "cuda_graphs=true")
+    replays = sum(r for *_, r in step_calls)
     assert StepGraphs.failed is None
     if case.startswith("moon"):
         steps = [row["local_steps"] // 4 for row in graphed.history]  # 4 clients with equal shares, one phase
-        assert sum(replays) == sum(n - 1 for n in steps) and min(steps) > 8
-    assert sum(replays) > 0
+        assert replays == sum(n - 1 for n in steps) and min(steps) > 8
+    assert replays > 0
     assert_models_close(eager, graphed, atol=1e-5)
     for a, b in zip(eager.history, graphed.history):
         assert b["train_loss"] == pytest.approx(a["train_loss"], rel=1e-5)
@@ -133,32 +143,21 @@ PADDED = {
 
 @pytest.mark.usefixtures("no_tf32")
 @pytest.mark.parametrize("case", list(PADDED))
-def test_padded_steps_replay_one_graph_per_phase(tmp_path, monkeypatch, case):
+def test_padded_steps_replay_one_graph_per_phase(tmp_path, step_calls, case):
     """With ``pad_finished_clients`` clients with different numbers of steps train as they
     do in eager steps without it, and in every phase all steps but the first are
     replayed from one graph (the one of all the chunk's clients)."""
     from contrafl.engine.cuda_graphs import StepGraphs
 
-    calls, replays = [], []
-    run = StepGraphs.run
-
-    def counted(self, key, remaining, step):
-        before = self.replays
-        run(self, key, remaining, step)
-        calls.append((id(self), key))
-        replays.append(self.replays - before)
-
-    monkeypatch.setattr(StepGraphs, "run", counted)
     write_cifar10(tmp_path / "cifar-10-batches-py", rows=512, test_rows=16)
     args = [f"data_dir={tmp_path}", "dataset=cifar10", "allow_subset=true", "batch_size=8",
             "partition=dirichlet", "partition.beta=0.5", "device=cuda", "executor=vectorized", *PADDED[case]]
     eager = simulate(*args, "cuda_graphs=false")
-    calls.clear()
-    replays.clear()
+    step_calls.clear()
     padded = simulate(*args, "cuda_graphs=true", "pad_finished_clients=true")
     assert StepGraphs.failed is None
-    assert {key for _, key in calls} == {4}  # one shape: all 4 clients in every step
-    assert sum(replays) == len(calls) - len({graphs for graphs, _ in calls}) > 0
+    assert {key for _, key, _ in step_calls} == {4}  # one shape: all 4 clients in every step
+    assert sum(r for *_, r in step_calls) == len(step_calls) - len({graphs for graphs, _, _ in step_calls}) > 0
     assert_models_close(eager, padded, atol=1e-5)
     for a, b in zip(eager.history, padded.history):
         assert b["train_loss"] == pytest.approx(a["train_loss"], rel=1e-5)
