@@ -234,10 +234,10 @@ class VectorizedExecutor:
             seed_global(jobs[0].seed, w.x.device)
         pad = self.pad_finished
         live = torch.ones(K, dtype=torch.bool, device=w.x.device)  # pad: the clients still training (fixed address)
-        kept = pytree.tree_leaves((params, buffers, opt_states))  # pad: what a finished client must not change
+        kept = pytree.tree_leaves((params, buffers, opt_states)) if pad else []  # what a finished client must not change
 
         def step(a: int) -> None:
-            before = [t.clone() for t in kept] if pad else []
+            before = [t.clone() for t in kept]
             r = batch_rows[:a]
             raw = w.x[r]
             views = [
