@@ -84,11 +84,11 @@ def _data():
     return x, y, eval_transform(None, None), [np.arange(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
 
 
-def _jobs(global_params, global_buffers, extra=lambda cid, task: None, opt_state=None):
+def _jobs(global_params, global_buffers, extra=lambda cid, task: None, opt_state=None, epochs=2):
     x, y, tf, client_rows = _data()
     jobs = []
     for cid, rows in enumerate(client_rows):
-        plan = make_plan(rows, 2, 16, True, tf.sample, 1, generator(0, "plan", cid))
+        plan = make_plan(rows, epochs, 16, True, tf.sample, 1, generator(0, "plan", cid))
         task = LocalTask(params={"model": dict(global_params)}, buffers={"model": dict(global_buffers)})
         extra(cid, task)
         jobs.append(Job(cid, task, [plan], seed=cid, opt_state=None if opt_state is None else opt_state(cid)))
@@ -494,19 +494,11 @@ def test_padded_steps_replay_one_graph_per_phase(monkeypatch):
 
     model = _model()
     params, buffers = _split(model)
-    x, y, tf, client_rows = _data()
-
-    def jobs():  # 4 epochs: 16, 8, 0 and 12 steps
-        return [
-            Job(cid, LocalTask(params={"model": dict(params)}, buffers={"model": dict(buffers)}),
-                [make_plan(rows, 4, 16, True, tf.sample, 1, generator(0, "plan", cid))], seed=cid)
-            for cid, rows in enumerate(client_rows)
-        ]
-
+    x, y, tf, jobs = _jobs(params, buffers, epochs=4)  # 16, 8, 0 and 12 steps
     workload = Workload.single(x, y, tf, FunctionalNet(model), [Stage(supervised)], SGD(0.05, 0.9))
-    eager = VectorizedExecutor(workload, 2**30).train(jobs())
+    eager = VectorizedExecutor(workload, 2**30).train(jobs)
     monkeypatch.setattr(vectorized.StepGraphs, "for_device", staticmethod(stand_in))
-    replayed = VectorizedExecutor(workload, 2**30, pad_finished=True).train(jobs())
+    replayed = VectorizedExecutor(workload, 2**30, pad_finished=True).train(_jobs(params, buffers, epochs=4)[3])
     assert [r.steps for r in replayed] == [16, 8, 0, 12]
     assert set(made[0].graphs) == {4} and made[0].replays == 15
     _assert_same_results(eager, replayed)
