@@ -4,6 +4,7 @@ in ``tests/flower_echo_app`` (about 25 s each), plus fast checks of TOML quoting
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import tomllib
@@ -20,6 +21,7 @@ from contrafl.flower.launch import (  # noqa: E402
     FLWR_EXECUTABLES,
     FlowerLaunchError,
     LocalDeployment,
+    oversubscribed,
     toml_document,
     toml_value,
 )
@@ -57,6 +59,9 @@ def _run_echo(tmp_path: Path, tls: bool) -> None:
     )
     with dep:
         assert all(dep.node_ids)
+        for node in dep._nodes:  # two SuperNodes with torch's default threads: more than the cores
+            environ = Path(f"/proc/{node.popen.pid}/environ").read_bytes().split(b"\0")
+            assert f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'PASSIVE')}".encode() in environ
         assert (tmp_path / "deploy" / "logs" / "superlink.log").is_file()
         result = dep.run(ECHO_APP, {"out": str(out), "message": MESSAGE}, timeout=90)
         assert result.returncode == 0 and result.status == "finished:completed"
@@ -91,6 +96,14 @@ def _run_echo(tmp_path: Path, tls: bool) -> None:
         assert reply["num-partitions"] == 2
         assert reply["message"] == MESSAGE
         assert reply["label"] == (LABEL if partition == 0 else "plain")
+
+
+def test_supernodes_wait_passively_when_their_threads_exceed_the_cores(monkeypatch) -> None:
+    monkeypatch.setattr("contrafl.engine.setup.cpu_cores", lambda: 4)
+    assert oversubscribed([{}, {}])  # torch's default: 4 threads each
+    assert oversubscribed([{"threads": 2}, {"threads": 3}])
+    assert not oversubscribed([{"threads": 2}, {"threads": 2}]) and not oversubscribed([{"threads": "1"}] * 4)
+    assert not oversubscribed([{}]) and oversubscribed([{"threads": "x"}, {"threads": 1}])  # not a number: the default
 
 
 @pytest.mark.slow
