@@ -99,7 +99,7 @@ def _run_echo(tmp_path: Path, tls: bool) -> None:
 
 
 def test_supernodes_wait_passively_when_their_threads_exceed_the_cores(monkeypatch) -> None:
-    monkeypatch.setattr("contrafl.engine.setup.cpu_cores", lambda: 4)
+    monkeypatch.setattr("contrafl.flower.launch.cpu_cores", lambda: 4)
     assert oversubscribed([{}, {}])  # torch's default: 4 threads each
     assert oversubscribed([{"threads": 2}, {"threads": 3}])
     assert not oversubscribed([{"threads": 2}, {"threads": 2}]) and not oversubscribed([{"threads": "1"}] * 4)

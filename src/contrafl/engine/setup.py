@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +22,7 @@ from .. import params as P
 from ..algorithms import ALGORITHMS, Algorithm
 from ..algorithms.base import Federation
 from ..config import Component, Config
+from ..cores import cpu_cores
 from ..data import augment
 from ..data.base import ArrayDataset, FederatedDataset
 from ..data.partition import PARTITIONS, Partition, make_partition
@@ -254,10 +254,6 @@ def choose_executor(cfg: Config, algo_cls: type[Algorithm], device: torch.device
     if cpu_cores() > 1 and cfg.num_clients * cfg.sample_fraction >= 2:
         return "parallel"
     return "sequential"
-
-
-def cpu_cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def prepare(cfg: Config, partition: Partition | None = None) -> Setup:

@@ -58,6 +58,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, TextIO
 
+from contrafl.cores import cpu_cores
 from contrafl.errors import ConfigError, ContraflError
 
 if TYPE_CHECKING:
@@ -332,8 +333,6 @@ def oversubscribed(node_configs: list[dict[str, ConfigValue]]) -> bool:
     client's threads need. How threads wait changes nothing that is computed; on 2
     cores, with 3 SuperNodes of 2 threads each, the 2-round deployments of
     tests/test_flower_deploy.py took 15% less time (docs/performance.md)."""
-    from contrafl.engine.setup import cpu_cores
-
     cores = cpu_cores()
     threads = (config.get("threads") for config in node_configs)
     return sum(int(t) if isinstance(t, int | str) and str(t).isdigit() else cores for t in threads) > cores
