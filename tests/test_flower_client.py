@@ -100,8 +100,9 @@ def flower_run(path: Path, cfg, reuse: bool = False) -> Simulation:
         ("scaffold", ["persist_optimizer_state=true", "momentum=0.9", "checkpoint_every=3"]),
         ("scaffold", ["client_speed=lognormal:1", "speed_jitter=0.5", "round_deadline=25"]),  # late clients dropped
         ("fedprox", ["client_speed=slow:0.5,4", "round_deadline=25", "stragglers=partial"]),  # partial work
-        ("fedavg", ["dp=local", "dp.clip=0.5", "dp.noise_multiplier=0.05", "sample_fraction=0.67"]),  # clients add noise
-        ("scaffold", ["dp=central", "dp.clip=0.5", "dp.noise_multiplier=0.05"]),  # the server adds noise
+        # clients add noise; the server adds noise (reproducible noise to compare: the default is secret)
+        ("fedavg", ["dp=local", "dp.clip=0.5", "dp.noise_multiplier=0.05", "dp.noise=reproducible", "sample_fraction=0.67"]),
+        ("scaffold", ["dp=central", "dp.clip=0.5", "dp.noise_multiplier=0.05", "dp.noise=reproducible"]),
     ],
 )
 def test_fresh_client_processes_give_the_simulators_run(tmp_path, algorithm, extra):
@@ -244,7 +245,7 @@ def test_deploy_prepare_only_secures_several_machines_by_default(tmp_path, capsy
     assert "--ssl-keyfile" in out and " --enable-supernode-auth " in out
     assert f"flwr supernode register {keys}/node-K.pub CONNECTION" in out
     assert "flower-supernode --root-certificates RUN_DIR/flower/certs/ca.crt --auth-supernode-private-key RUN_DIR/flower/keys/node-K --superlink 10.0.0.5:8000" in out
-    assert main(["deploy", "--prepare-only", "--no-auth", "--secure-aggregation", "--server-host", "10.0.0.5", "--out", str(tmp_path / "tls"), "num_clients=2"]) == 0
+    assert main(["deploy", "--prepare-only", "--no-auth", "--secure-aggregation", "--min-replies", "3", "--server-host", "10.0.0.5", "--out", str(tmp_path / "tls"), "num_clients=3"]) == 0
     assert tomllib.loads((tmp_path / "tls" / "flower-run.toml").read_text())["secure-aggregation"] is True
     out = capsys.readouterr().out
     assert "--ssl-keyfile" in out and "--enable-supernode-auth" not in out and "register" not in out and not (tmp_path / "tls" / "flower" / "keys").exists()
@@ -287,7 +288,7 @@ def test_deploy_checks_its_options_before_starting_anything(tmp_path, capsys):
         (["algorithm=fedavg", "dp=central"], "but dp=central clips each update at the server"),
         (["algorithm=fedavg", "round_deadline=5"], "but a straggler dropped at round_deadline sends no update"),
         (["algorithm=fedbyol", "algorithm.weighting=batches"], "weighs replies by their batches"),
-        (["algorithm=fedavg", "num_clients=3", "sample_fraction=0.5"], "needs at least 2 clients per round"),
+        (["algorithm=fedavg", "num_clients=3", "sample_fraction=0.5"], "a round of 1 client is fewer than the 3 a secure sum needs"),
     ],
 )
 def test_secure_aggregation_is_refused_with_one_line_where_the_server_needs_more_than_the_mean(tmp_path, capsys, settings, why):

@@ -25,10 +25,14 @@ pytestmark = pytest.mark.slow  # real SuperLink and SuperNode processes
 
 from contrafl.cli import main  # noqa: E402
 from contrafl.config import load_config  # noqa: E402
+from contrafl.engine.privacy import clip, gaussian, updates  # noqa: E402
+from contrafl.engine.setup import prepare  # noqa: E402
+from contrafl.engine.simulation import Simulation  # noqa: E402
 from contrafl.flower.auth import make_node_key  # noqa: E402
 from contrafl.flower.deploy import APP_DIR, prepare_run, run_config, shared_cores  # noqa: E402
 from contrafl.flower.launch import LocalDeployment, _Process, _terminate, free_port  # noqa: E402
 from conftest import torch_threads  # noqa: E402
+from contrafl.rng import generator  # noqa: E402
 
 CLIENTS = 3
 COMMON = [f"num_clients={CLIENTS}", "rounds=2", "local_epochs=1", "executor=sequential", "eval_personal=false"]
@@ -41,7 +45,8 @@ RUNS = {
     "moon": [],
     "fedcrl": ["pool=true", "test_fraction=0.25", "eval_personal=true"],  # evaluate messages
     # a straggler cut short, one dropped at the deadline (its reply says so), local DP noise
-    "fedprox": ["client_speed=slow:0.34,100", "round_deadline=20", "stragglers=partial", "dp=local", "dp.clip=0.5", "dp.noise_multiplier=0.05"],
+    # (reproducible, to compare: each SuperNode warns that it protects nothing)
+    "fedprox": ["client_speed=slow:0.34,100", "round_deadline=20", "stragglers=partial", "dp=local", "dp.clip=0.5", "dp.noise_multiplier=0.05", "dp.noise=reproducible"],
 }
 
 
@@ -68,6 +73,56 @@ def test_deployment_equals_the_simulator(tmp_path, deployment, algorithm):
     assert summary["status"] == "completed" and summary["rounds_completed"] == 2
 
 
+CURIOUS_APP = Path(__file__).parent / "flower_curious_app"
+
+
+def test_a_curious_server_cannot_subtract_the_clients_secret_local_noise(tmp_path, deployment):
+    """docs/privacy.md's threat model, attacked: a server that follows the protocol and
+    keeps everything it holds (its run directory, config.yaml with the seed, every reply:
+    tests/flower_curious_app) regenerates each client's local DP noise from the seed, as
+    contrafl's code draws it with dp.noise=reproducible, and subtracts it. On a
+    reproducible run it recovers each client's clipped update (cosine 1 with the update
+    the client computed on its own data); with the default secret noise, drawn on the
+    SuperNodes, the attack's cosine is that of independent noise (within 6 standard
+    deviations of 20 draws the attacker could equally have subtracted)."""
+    z, clip_to = 10.0, 0.5
+    for noise in ("reproducible", "secret"):
+        settings = ["algorithm=fedavg", *COMMON, "rounds=1", "dp=local", f"dp.clip={clip_to}", f"dp.noise_multiplier={z}", f"dp.noise={noise}"]
+        run = tmp_path / noise
+        prepare_run(load_config(None, settings), run)
+        result = deployment.run(CURIOUS_APP, run_config(run, round_timeout=120, min_replies=CLIENTS), timeout=600)
+        assert ("dp.noise=reproducible: the DP noise comes from config.yaml's seed" in result.log_path.read_text()) == (noise == "reproducible")
+        cfg = load_config(run / "config.yaml")  # what the server holds, the seed included
+        received = {cid: torch.load(run / "received" / f"round-1-client-{cid}.pt", weights_only=True) for cid in range(CLIENTS)}
+        assert all(r["num_samples"] == 1 for r in received.values())
+        sim = Simulation(prepare(cfg))  # the clients' side: their data, their training of round 1
+        message = sim.algorithm.broadcast(sim.server, 0)
+        sim.privacy = None
+        for cid, kept in received.items():
+            plain = next(iter(sim.train_locally(0, [cid], lambda c: message, sim.algorithm.phases(0)))).reply
+            truth = flat(updates(clip(plain.payload, message, clip_to)[0], message))
+            got = updates(kept["payload"], message)
+            attack = cosine(flat(got) - flat(gaussian(got, z * clip_to, generator(cfg.seed, "dp", 0, cid))), truth)
+            if noise == "reproducible":
+                assert attack > 0.99999, (cid, attack)
+            else:
+                g = torch.Generator().manual_seed(cid)
+                independent = torch.tensor([
+                    cosine(flat(got) - z * clip_to * torch.randn(truth.shape, generator=g, dtype=torch.float64), truth) for _ in range(20)
+                ])
+                assert abs(attack - float(independent.mean())) < 6 * float(independent.std()) + 1e-4, (cid, attack)
+                assert abs(attack) < 0.05
+        assert json.loads((run / "summary.json").read_text())["dp"]["noise"] == noise
+
+
+def flat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.flatten().double() for t in tensors])
+
+
+def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(a @ b / (a.norm() * b.norm()))
+
+
 def test_secure_aggregation_gives_the_plain_deployments_run_up_to_quantisation(tmp_path, deployment):
     """FedAvg through Flower's SecAgg+ (its workflow and client mod) on 3 SuperNodes: the
     server gets each client's structure, loss and steps in the clear and only the
@@ -91,7 +146,8 @@ def test_secure_aggregation_gives_the_plain_deployments_run_up_to_quantisation(t
     assert 0 < deviation < 2e-4, deviation
     assert abs(rows["secure"][-1]["test_acc"] - rows["plain"][-1]["test_acc"]) <= 0.01
 
-    noisy = ["algorithm=fedavg", *COMMON, "dp=local", "dp.clip=0.5", "dp.noise_multiplier=0.05"]  # clients' noise, then the secure mean
+    # clients' noise (reproducible, to compare with the simulator), then the secure mean
+    noisy = ["algorithm=fedavg", *COMMON, "dp=local", "dp.clip=0.5", "dp.noise_multiplier=0.05", "dp.noise=reproducible"]
     prepare_run(load_config(None, noisy), tmp_path / "noisy")
     deployment.run(APP_DIR, run_config(tmp_path / "noisy", 300, CLIENTS, secure_aggregation=True), timeout=600)
     assert main(["run", "--quiet", "--out", str(tmp_path / "noisy-sim"), *noisy]) == 0

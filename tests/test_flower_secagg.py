@@ -1,31 +1,47 @@
-"""SecAgg+ rounds (contrafl.flower.secagg.SecureRound) with nodes that stop answering.
+"""SecAgg+ rounds (contrafl.flower.secagg.SecureRound) with nodes that stop answering,
+clients that reject their own updates, refuse too small sums or a round unmasked before
+over other clients, and payloads of every floating-point dtype.
 
-The protocol runs for real, in one process: flwr's workflow on the server side, flwr's
-``secaggplus_mod`` on each node, every message serialised to its protobuf and back as
-on the wire (the mod edits the configs it receives; the setup stage sends all nodes the
-same content object). A node that drops out simply sends no more replies, as when the
-workflow's timeout passes; an exception in a node's mod comes back as an error reply, as
-a SuperNode sends it.
+The protocol runs for real, in one process: flwr's workflow on the server side, contrafl's
+ClientApp mod (``secure_mod``, around flwr's ``secaggplus_mod``) on each node, every
+message serialised to its protobuf and back as on the wire (the mod edits the configs
+it receives; the setup stage sends all nodes the same content object). A node that drops
+out simply sends no more replies, as when the workflow's timeout passes; an exception in
+a node's mod comes back as an error reply, as a SuperNode sends it.
 """
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
+from pathlib import Path
+from uuid import uuid4
+
 import numpy as np
 import pytest
+import torch
 
 pytest.importorskip("flwr")
 
-from flwr.app import Context, Message, RecordDict  # noqa: E402
-from flwr.client.mod import secaggplus_mod  # noqa: E402
-from flwr.common import Code, FitIns, FitRes, Parameters, Status, ndarrays_to_parameters, parameters_to_ndarrays  # noqa: E402
-from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key  # noqa: E402
+from flwr.app import ConfigRecord, Context, Error, Message, MessageType, RecordDict  # noqa: E402
+from flwr.common import Code, FitRes, Status, ndarrays_to_parameters, parameters_to_ndarrays  # noqa: E402
+from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key, Stage  # noqa: E402
 from flwr.common.serde import message_from_proto, message_to_proto  # noqa: E402
 from flwr.compat.common import recorddict_compat as compat  # noqa: E402
 
 from conftest import error_reply  # noqa: E402
-from contrafl.flower.secagg import CLIPPING_RANGE, QUANTIZATION_RANGE, SecureRound  # noqa: E402
+from contrafl.errors import ContraflError  # noqa: E402
+from contrafl.flower.codec import decode, encode  # noqa: E402
+from contrafl.flower.node import USER_ERROR  # noqa: E402
+from contrafl.flower.secagg import (  # noqa: E402
+    CLIPPING_RANGE, LEDGER, QUANTIZATION_RANGE, REJECTED, REST, SecureRound, UpdateRejected, outcome_tree, reply_fitres,
+    request_fitins, secure_mod, tensor_dtypes,
+)
+from contrafl.flower.wire import unpack  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("task_identity")
+
+ClientApp = Callable[[Message], Message]
 
 
 def wire(msg: Message) -> Message:
@@ -33,20 +49,20 @@ def wire(msg: Message) -> Message:
 
 
 class LocalGrid:
-    """Nodes ``1..len(updates)`` answering SecAgg+ in this process; node ``i`` trains to
-    ``updates[i - 1]`` (a vector and its sample count). ``drop_at`` maps a node to the
-    stage from which it answers no more."""
+    """Nodes ``1..len(apps)`` answering SecAgg+ in this process through contrafl's
+    ClientApp mod; node ``i`` serves client ``i - 1`` of the run in ``run_dir`` (its
+    ledger goes to ``run_dir/flower-clients``) and its ClientApp answers the collect
+    stage with ``apps[i - 1](msg)``. ``drop_at`` maps a node to the stage from which it
+    answers no more."""
 
-    def __init__(self, updates: list[tuple[np.ndarray, int]], drop_at: dict[int, str]) -> None:
-        self.updates = dict(enumerate(updates, start=1))
+    def __init__(self, apps: list[ClientApp], drop_at: dict[int, str], run_dir: Path) -> None:
+        self.apps = dict(enumerate(apps, start=1))
         self.drop_at = drop_at
         self.gone: set[int] = set()
-        self.contexts = {n: Context(run_id=1, node_id=n, node_config={}, state=RecordDict(), run_config={}) for n in self.updates}
-
-    def fit(self, msg: Message, context: Context) -> Message:
-        vector, n = self.updates[context.node_id]
-        fitres = FitRes(Status(Code.OK, ""), ndarrays_to_parameters([vector]), n, {})
-        return Message(compat.fitres_to_recorddict(fitres, keep_input=True), reply_to=msg)
+        self.contexts = {
+            n: Context(run_id=1, node_id=n, node_config={"partition-id": n - 1, "run-dir": str(run_dir)}, state=RecordDict(), run_config={})
+            for n in self.apps
+        }
 
     def send_and_receive(self, messages: list[Message], *, timeout: float | None = None) -> list[Message]:
         replies = []
@@ -58,19 +74,38 @@ class LocalGrid:
                 continue
             received = wire(msg)
             try:
-                reply = secaggplus_mod(received, self.contexts[node], self.fit)
+                reply = secure_mod(received, self.contexts[node], lambda m, _: self.apps[node](m))
             except Exception as exc:
                 reply = error_reply(exc, received)
             replies.append(wire(reply))
         return replies
 
 
-def secure_round(updates: list[tuple[np.ndarray, int]], drop_at: dict[int, str]) -> tuple[dict[int, FitRes], list[str]]:
-    grid = LocalGrid(updates, drop_at)
+def trained(vector: np.ndarray, n: int) -> ClientApp:
+    """A ClientApp that answers with ``vector`` weighted by ``n``."""
+
+    def app(msg: Message) -> Message:
+        fitres = FitRes(Status(Code.OK, ""), ndarrays_to_parameters([vector]), n, {})
+        return Message(compat.fitres_to_recorddict(fitres, keep_input=True), reply_to=msg)
+
+    return app
+
+
+def run_round(
+    apps: list[ClientApp], drop_at: dict[int, str], run_dir: Path, max_weight: float, t: int = 0
+) -> tuple[dict[int, FitRes], dict[int, Message]]:
+    """Round ``t`` of SecAgg+ over a :class:`LocalGrid` of ``apps``, with the ``FitIns``
+    the server sends (the request of client ``c`` and the round's participants)."""
+    grid = LocalGrid(apps, drop_at, run_dir)
     context = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={})
-    fitins = {cid: FitIns(Parameters([], ""), {}) for cid in range(len(updates))}
-    node_of = {cid: cid + 1 for cid in fitins}
-    return SecureRound(grid, context, timeout=5.0, max_weight=float(max(n for _, n in updates))).exchange(0, node_of, fitins)
+    node_of = {cid: cid + 1 for cid in range(len(apps))}
+    participants = {node: cid for cid, node in node_of.items()}
+    fitins = {cid: request_fitins(encode({"round": t, "client": cid}), cid, participants) for cid in node_of}
+    return SecureRound(grid, context, timeout=5.0, max_weight=max_weight).exchange(t, node_of, fitins)
+
+
+def secure_round(updates: list[tuple[np.ndarray, int]], drop_at: dict[int, str], run_dir: Path) -> tuple[dict[int, FitRes], dict[int, Message]]:
+    return run_round([trained(v, n) for v, n in updates], drop_at, run_dir, float(max(n for _, n in updates)))
 
 
 def weighted_mean(updates: list[tuple[np.ndarray, int]], cids: list[int]) -> np.ndarray:
@@ -96,14 +131,14 @@ TOLERANCE = 4 * 2 * CLIPPING_RANGE / QUANTIZATION_RANGE
         (6, {2: "share_keys", 5: "collect_masked_vectors"}),  # both kinds: only the second is unmasked
     ],
 )
-def test_a_secure_round_gives_the_mean_of_the_clients_that_sent_masked_vectors(clients, drop_at):
+def test_a_secure_round_gives_the_mean_of_the_clients_that_sent_masked_vectors(tmp_path, clients, drop_at):
     """The unmasked parameters are the sample-weighted mean of exactly the clients that
     sent a masked vector (up to SecAgg+'s quantisation), whichever stage the others left
     at: each of them gets the mean, the others get nothing."""
     updates = make_updates(clients)
-    results, failures = secure_round(updates, drop_at)
+    results, errors = secure_round(updates, drop_at, tmp_path)
     kept = sorted(cid for cid in range(clients) if cid + 1 not in drop_at)
-    assert sorted(results) == kept, failures
+    assert sorted(results) == kept and not errors, errors
     expected = weighted_mean(updates, kept)
     for fitres in results.values():
         (mean,) = parameters_to_ndarrays(fitres.parameters)
@@ -111,8 +146,298 @@ def test_a_secure_round_gives_the_mean_of_the_clients_that_sent_masked_vectors(c
     assert np.abs(expected - weighted_mean(updates, list(range(clients)))).max() > 100 * TOLERANCE or not drop_at
 
 
-def test_a_secure_round_with_too_few_clients_left_gives_no_results():
+def test_a_secure_round_with_too_few_clients_left_gives_no_results(tmp_path):
     """Below the reconstruction threshold (2/3 of the clients), the round ends without
     results rather than with a wrong mean."""
-    results, _ = secure_round(make_updates(3), {1: "share_keys", 2: "collect_masked_vectors"})
+    results, _ = secure_round(make_updates(6), {1: "share_keys", 2: "collect_masked_vectors", 3: "collect_masked_vectors"}, tmp_path)
     assert results == {}
+
+
+def rejecting(reason: str) -> ClientApp:
+    """A ClientApp whose own check rejected its update (contrafl.flower.client_app.serve)."""
+    return lambda msg: Message(Error(REJECTED, reason), reply_to=msg)
+
+
+def test_a_rejected_update_enters_no_sum_and_the_others_mean_is_unmasked(tmp_path):
+    """A client whose own check rejected its update sends the reason instead of a masked
+    vector: the others' mean is unmasked without it, exactly as if it had dropped out,
+    and the server has the reason from the client's node."""
+    updates = make_updates(4)
+    apps = [trained(v, n) for v, n in updates]
+    apps[1] = rejecting("'model.w' has non-finite values (1 NaN, 0 infinite)")
+    results, errors = run_round(apps, {}, tmp_path, float(max(n for _, n in updates)))
+    assert sorted(results) == [0, 2, 3] and list(errors) == [1]
+    assert errors[1].error.code == REJECTED and errors[1].error.reason == "'model.w' has non-finite values (1 NaN, 0 infinite)"
+    for fitres in results.values():
+        (mean,) = parameters_to_ndarrays(fitres.parameters)
+        assert np.abs(mean - weighted_mean(updates, [0, 2, 3])).max() < TOLERANCE
+
+    with np.errstate(all="raise"):  # every client rejected: no sum, and no mean divided by a total weight of 0
+        results, errors = run_round([rejecting(f"reason {cid}") for cid in range(3)], {}, tmp_path / "all", 10.0)
+    assert results == {} and {cid: reply.error.code for cid, reply in errors.items()} == {0: REJECTED, 1: REJECTED, 2: REJECTED}
+
+
+def refusals(errors: dict[int, Message]) -> dict[int, str]:
+    return {cid: str(reply.error.reason) for cid, reply in errors.items()}
+
+
+def test_a_sum_of_2_clients_is_refused_by_each_client(tmp_path):
+    """flwr 1.41's 32-bit mask seeds let the server recover each update of a sum of 2
+    clients, so a client sends its masked vector only into a sum of 3 or more (the
+    collect stage's key-share sources and itself), and its key shares only when 3 or
+    more clients' vectors are in the sum (a curious server could end the protocol with
+    2 active nodes after collecting 3 vectors)."""
+    results, errors = secure_round(make_updates(2), {}, tmp_path)
+    assert results == {} and sorted(errors) == [0, 1]
+    assert all("asks for this client's masked update in a sum of 2 clients" in why and "flwrlabs/flower#7522" in why for why in refusals(errors).values())
+
+    results, errors = secure_round(make_updates(3), {3: "collect_masked_vectors"}, tmp_path / "unmask")
+    assert results == {} and sorted(errors) == [0, 1]
+    assert all("asks this client to unmask a sum of 2 clients" in why for why in refusals(errors).values())
+
+
+def test_a_client_unmasks_only_a_sum_it_sent_its_vector_into(tmp_path):
+    """An unmask stage with no collect stage of the same protocol run before it (the
+    SuperNode restarted, or a new setup stage came since) gets no key shares."""
+    context = Context(run_id=1, node_id=1, node_config={"partition-id": 0, "run-dir": str(tmp_path)}, state=RecordDict(), run_config={})
+    configs = ConfigRecord({Key.STAGE: Stage.UNMASK, Key.ACTIVE_NODE_ID_LIST: [1, 2, 3], Key.DEAD_NODE_ID_LIST: []})
+    msg = wire(Message(RecordDict({RECORD_KEY_CONFIGS: configs}), dst_node_id=1, message_type=MessageType.TRAIN))
+    reply = secure_mod(msg, context, lambda m, c: pytest.fail("the ClientApp is not called in the unmask stage"))
+    assert reply.error.code == USER_ERROR and "unmask a round it sent no masked update in" in reply.error.reason
+    assert not (tmp_path / "flower-clients").exists()
+
+
+def ledger(run_dir: Path, cid: int) -> dict[str, list[int]]:
+    return json.loads((run_dir / "flower-clients" / f"client-{cid}" / LEDGER).read_text())
+
+
+def test_a_client_unmasks_a_round_again_only_over_the_same_clients(tmp_path):
+    """A server that re-runs round 1 (it restarted) with other finishers would get two
+    sums whose difference is one client's update: each client records the clients of
+    the sum it unmasked in its ledger, before it sends its key shares, and refuses to
+    unmask the round over other clients. The same clients again (the round a resumed
+    server was in) are unmasked."""
+    updates = make_updates(4)
+    results, errors = secure_round(updates, {}, tmp_path)
+    assert sorted(results) == [0, 1, 2, 3] and not errors
+    assert all(ledger(tmp_path, cid) == {"1": [0, 1, 2, 3]} for cid in range(4))
+
+    results, errors = secure_round(updates, {4: "collect_masked_vectors"}, tmp_path)  # a new SuperLink run: new contexts
+    assert results == {} and sorted(errors) == [0, 1, 2]
+    assert all("unmask a sum over clients [0, 1, 2], but it unmasked one over clients [0, 1, 2, 3] in this round already" in why
+               for why in refusals(errors).values())
+    assert all(ledger(tmp_path, cid) == {"1": [0, 1, 2, 3]} for cid in range(4))
+
+    results, errors = secure_round(updates, {}, tmp_path)
+    assert sorted(results) == [0, 1, 2, 3] and not errors
+    (mean,) = parameters_to_ndarrays(results[0].parameters)
+    assert np.abs(mean - weighted_mean(updates, [0, 1, 2, 3])).max() < TOLERANCE
+    results, _ = run_round([trained(v, n) for v, n in updates], {}, tmp_path, 100.0, t=1)  # the next round has its own entry
+    assert sorted(results) == [0, 1, 2, 3] and ledger(tmp_path, 0) == {"1": [0, 1, 2, 3], "2": [0, 1, 2, 3]}
+
+
+FLOATS = [torch.float16, torch.bfloat16, torch.float32, torch.float64] + [
+    getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, name)
+]
+# How far a value of each dtype may be from the mean: the rounding to the dtype (half an
+# ulp at 1: the values are in [-1, 1]), plus the quantisation.
+ROUNDING = {dtype: torch.finfo(dtype).eps / 2 + TOLERANCE for dtype in FLOATS}
+
+
+def name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def replying(tree: dict, seed: int, fitres_seen: list[FitRes]) -> ClientApp:
+    """A ClientApp answering with the reply ``tree`` as contrafl's ClientApp sends it
+    (:func:`reply_fitres`); the FitRes it made goes to ``fitres_seen``."""
+
+    def app(msg: Message) -> Message:
+        content = reply_fitres(encode(tree), seed)
+        fitres_seen.append(compat.recorddict_to_fitres(content, keep_input=True))
+        return Message(content, reply_to=msg)
+
+    return app
+
+
+def test_every_floating_point_tensor_is_masked_and_averaged_in_its_own_dtype(tmp_path):
+    """float16 (which overflows SecAgg+'s quantisation in its own dtype), bfloat16 and the
+    float8 types (carried as integers by the codec), float32 and float64 tensors go to
+    SecAgg+ as float32 and come back as the mean, in their own dtypes; integer tensors
+    travel in the clear, and nothing floating-point does: the FitRes's clear part holds
+    integer tensors only (by the dtype its tree names)."""
+    gen = torch.Generator().manual_seed(0)
+    trees = [
+        {
+            "payload": {name(dtype): (torch.rand(5, generator=gen) * 2 - 1).to(dtype) for dtype in FLOATS}
+            | {"steps": torch.tensor([cid, 2 * cid])},
+            "num_samples": 10 * (cid + 1), "loss": 1.0, "steps": 3, "parts": {}, "time": None, "straggler": None,
+        }
+        for cid in range(3)
+    ]
+    seen: list[FitRes] = []
+    results, errors = run_round([replying(tree, cid, seen) for cid, tree in enumerate(trees)], {}, tmp_path, 30.0)
+    assert sorted(results) == [0, 1, 2] and not errors, errors
+    total = sum(tree["num_samples"] for tree in trees)
+    for fitres in seen:
+        rest = unpack(bytes(fitres.metrics[REST]))
+        dtypes = tensor_dtypes(json.loads(str(rest["tree"]["json"])))
+        assert sorted(rest["arrays"]) == ["payload/steps"] and dtypes["payload/steps"] == "int64"
+        assert len(parameters_to_ndarrays(fitres.parameters)) == len(FLOATS)
+    for cid, fitres in results.items():
+        payload = decode(outcome_tree(fitres))["payload"]
+        assert torch.equal(payload["steps"], trees[cid]["payload"]["steps"])
+        for dtype in FLOATS:
+            mean = sum(tree["payload"][name(dtype)].double() * tree["num_samples"] for tree in trees) / total
+            assert payload[name(dtype)].dtype == dtype
+            assert (payload[name(dtype)].double() - mean).abs().max() <= ROUNDING[dtype], (dtype, payload[name(dtype)], mean)
+
+
+def test_a_rejected_or_uncarriable_reply_is_said_in_one_line():
+    """The ClientApp turns a reply its client rejected into UpdateRejected (its error
+    reply of code REJECTED carries the reason), and refuses a payload tensor that is
+    neither floating-point nor integer (complex) with one line."""
+    with pytest.raises(UpdateRejected, match=r"^'model.w' has non-finite values \(1 NaN, 0 infinite\)$"):
+        reply_fitres(encode({"rejected": "'model.w' has non-finite values (1 NaN, 0 infinite)"}), 0)
+    tree = {"payload": {"z": torch.zeros(2, dtype=torch.complex64)}, "num_samples": 1}
+    with pytest.raises(ContraflError, match="payload tensor 'payload/z' has dtype complex64, which secure aggregation cannot carry") as info:
+        reply_fitres(encode(tree), 0)
+    assert len(str(info.value).splitlines()) == 1
+
+
+class AppGrid:
+    """A Flower grid whose nodes ``1..clients`` run contrafl's ClientApp
+    (``contrafl.flower.client_app.app``: its mod, then the ClientApp itself with the node
+    config ``worker=false``) for clients ``0..clients-1`` of the run in ``run_dir``, in
+    this process, every message through its protobuf; the replies wait to be pulled.
+    ``online``: the nodes that are up."""
+
+    def __init__(self, run_dir: Path, clients: int, online: list[int] | None = None) -> None:
+        self.online = list(range(1, clients + 1)) if online is None else online
+        node_config = {"run-dir": str(run_dir), "worker": False}
+        self.contexts = {
+            n: Context(run_id=1, node_id=n, node_config={**node_config, "partition-id": n - 1}, state=RecordDict(), run_config={})
+            for n in self.online
+        }
+        self.replies: dict[str, Message] = {}
+
+    def get_node_ids(self) -> list[int]:
+        return self.online
+
+    def push_messages(self, messages: list[Message]) -> list[str]:
+        from contrafl.flower.client_app import app
+
+        ids = []
+        for msg in messages:
+            msg.metadata.__dict__["_message_id"] = str(uuid4())  # as a grid does
+            received = wire(msg)
+            try:
+                reply = app(received, self.contexts[msg.metadata.dst_node_id])
+            except Exception as exc:
+                reply = error_reply(exc, received)
+            self.replies[msg.metadata.message_id] = wire(reply)
+            ids.append(msg.metadata.message_id)
+        return ids
+
+    def pull_messages(self, message_ids: list[str]) -> list[Message]:
+        return [self.replies.pop(i) for i in message_ids if i in self.replies]
+
+
+def secure_simulation(run_dir: Path, grid_of: Callable[[Path], object], *settings: str, min_replies: int = 4):
+    """A run of FedAvg on 4 clients (digits) whose server trains through SecAgg+ on the
+    grid ``grid_of(run_dir)`` (SecureTransport, as contrafl's ServerApp sets it)."""
+    from contrafl.config import load_config
+    from contrafl.engine.run_dir import RunDir
+    from contrafl.engine.setup import prepare
+    from contrafl.engine.simulation import resume
+    from contrafl.flower.deploy import prepare_run
+    from contrafl.flower.server import SecureTransport
+
+    overrides = ["algorithm=fedavg", "num_clients=4", "rounds=1", "local_epochs=1", "executor=sequential", "eval_personal=false", *settings]
+    prepare_run(load_config(None, overrides), run_dir)
+    setup = prepare(load_config(run_dir / "config.yaml"))
+    sim = resume(setup, RunDir(run_dir, resume=True))
+    context = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={})
+    largest = max(len(rows) for rows in setup.partition.train)
+    sim.transport = SecureTransport(grid_of(run_dir), context, setup.config.seed, largest, setup.config.num_clients, 30.0, min_replies, 0.5)
+    return sim
+
+
+@pytest.mark.parametrize("on_bad_update", ["stop", "skip"])
+def test_a_nan_update_under_secure_aggregation_stops_the_run_or_is_left_out(tmp_path, monkeypatch, on_bad_update):
+    """Client 1 trains to a NaN, through contrafl's real ClientApp: masked, it would
+    become a finite mean of garbage that passes the server's validation. Its own check
+    rejects it before masking, so the run stops at it naming the client
+    (on_bad_update=stop), or leaves it out (skip): the global model is the others' mean
+    and the round's row names the rejected client, as for a plain reply."""
+    from contrafl.errors import ClientUpdateError
+    from contrafl.flower.client import FlowerClient
+
+    train, payloads = FlowerClient.train, {}
+
+    def nan_for_client_1(self, t, message, checkpointed):
+        tree = train(self, t, message, checkpointed)
+        if self.cid == 1:
+            tree["payload"] = {"model": dict(tree["payload"]["model"])}
+            name = next(k for k, v in tree["payload"]["model"].items() if v.is_floating_point())
+            tree["payload"]["model"][name] = tree["payload"]["model"][name].clone().fill_(float("nan"))
+        payloads[self.cid] = (tree["payload"]["model"], tree["num_samples"])
+        return tree
+
+    monkeypatch.setattr(FlowerClient, "train", nan_for_client_1)
+    sim = secure_simulation(tmp_path / "run", lambda run: AppGrid(run, 4), f"on_bad_update={on_bad_update}")
+    if on_bad_update == "stop":
+        with pytest.raises(ClientUpdateError, match=r"client 1's update in round 1 was rejected: '.+' has non-finite values \(\d+ NaN, 0 infinite\); training diverged"):
+            sim.run()
+        return
+    sim.run()
+    (row,) = sim.history
+    assert [r["client"] for r in row["rejected"]] == [1] and "non-finite values" in row["rejected"][0]["reason"]
+    total = sum(payloads[c][1] for c in (0, 2, 3))
+    for name, value in sim.server.model.items():
+        if value.is_floating_point():
+            mean = sum(payloads[c][0][name].double() * payloads[c][1] for c in (0, 2, 3)) / total
+            assert float((value.double() - mean).abs().max()) < TOLERANCE, name
+
+
+def test_the_server_refuses_a_secure_round_of_fewer_than_3_clients(tmp_path):
+    """The ServerApp's SecureTransport refuses settings that allow a round of 2 clients
+    (2 clients in all, or min_replies=2), and starts no round of 2 sampled clients or
+    with nodes for only 2 of them: one line each."""
+    from contrafl.errors import ConfigError
+    from contrafl.flower.server import SecureTransport
+
+    context = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={})
+    for clients, min_replies, why in ((2, 2, "a round of 2 clients is fewer than the 3 a secure sum needs"), (4, 2, "min_replies=2 lets a round end with fewer than the 3 updates")):
+        with pytest.raises(ConfigError, match=why) as info:
+            SecureTransport(AppGrid(tmp_path, 4), context, 0, 10, clients, 30.0, min_replies)
+        assert "flwrlabs/flower#7522" in str(info.value) and len(str(info.value).splitlines()) == 1
+    transport = SecureTransport(AppGrid(tmp_path, 4, online=[1, 2]), context, 0, 10, 4, 30.0, 3, 0.2)
+    transport.partition_of = {1: 0, 2: 1}  # what nodes 1 and 2 answered to the server's query
+    with pytest.raises(ContraflError, match="round 1: a round of 2 clients is fewer than the 3 a secure sum needs"):
+        next(transport.train(0, [0, 1], lambda cid: {}, []))
+    with pytest.raises(ContraflError, match=r"round 1: 2 of 4 clients have a SuperNode that can serve them \(a secure sum needs 3\)"):
+        next(transport.train(0, [0, 1, 2, 3], lambda cid: {}, []))
+
+
+def test_deploy_refuses_secure_aggregation_with_rounds_of_fewer_than_3_clients(tmp_path, capsys):
+    """contrafl deploy --secure-aggregation refuses, with one line and exit status 2, a
+    run that samples fewer than 3 clients a round or whose min_replies lets a round end
+    with fewer; 3 clients are prepared, with --min-replies 3 by default."""
+    from contrafl.cli import main
+
+    def refused(*args: str) -> str:
+        assert main(["deploy", "--secure-aggregation", "--prepare-only", "--insecure", "--out", str(tmp_path / "run"), *args]) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and len(err.splitlines()) == 1, (out, err)
+        return err
+
+    assert "a round of 2 clients is fewer than the 3 a secure sum needs" in refused("--min-replies", "2", "num_clients=2")
+    assert "a round of 2 clients is fewer than the 3" in refused("--min-replies", "3", "num_clients=4", "sample_fraction=0.5")
+    assert "a round of 2 clients is fewer than the 3" in refused("num_clients=2")  # --min-replies defaults to 3 here, at most the clients
+    err = refused("--min-replies", "1", "num_clients=3")
+    assert "min_replies=1 lets a round end with fewer than the 3 updates a secure sum needs" in err and "flwrlabs/flower#7522" in err
+    assert "set min_replies to 3 or more (contrafl deploy --min-replies), or deploy without --secure-aggregation" in err
+    assert not (tmp_path / "run").exists()
+    assert main(["deploy", "--secure-aggregation", "--prepare-only", "--insecure", "--out", str(tmp_path / "run"), "num_clients=3"]) == 0
+    assert "min-replies = 3" in (tmp_path / "run" / "flower-run.toml").read_text()

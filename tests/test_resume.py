@@ -16,6 +16,7 @@ import sys
 import textwrap
 
 import pytest
+import torch
 
 from contrafl.cli import main
 from test_orchestra import ORCHESTRA, tiny_cifar
@@ -67,7 +68,10 @@ KILLER = textwrap.dedent(
 
 
 def _killed_run(out, where: str, n: int, settings: list[str]) -> None:
-    env = {**os.environ, "PYTHONHASHSEED": "0"}
+    """``contrafl run`` killed at ``where``'s ``n``-th call, with this process's torch
+    threads (results of some runs depend on the count, and the uninterrupted run to
+    compare with runs here)."""
+    env = {**os.environ, "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": str(torch.get_num_threads())}
     proc = subprocess.run(
         [sys.executable, "-c", KILLER, where, str(n), "--quiet", "--out", str(out), *settings],
         capture_output=True, text=True, env=env, timeout=300,

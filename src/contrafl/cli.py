@@ -219,6 +219,8 @@ def cmd_deploy(ns: argparse.Namespace) -> int:
         config_path, overrides = _split_run_args(ns.args)
         cfg = load_config(config_path, overrides)
         path = Path(ns.out) if ns.out else default_run_dir(cfg.algorithm.name, cfg.dataset.name)
+    if ns.min_replies is None:
+        ns.min_replies = min(3, cfg.num_clients) if ns.secure_aggregation else 1
     check_settings(cfg, ns.round_timeout, ns.min_replies, ns.secure_aggregation)
     if not ns.supernode_poll > 0:
         raise ConfigError(f"--supernode-poll {ns.supernode_poll:g} must be a positive number of seconds (3 waits as long as Flower's own SuperNode)")
@@ -593,8 +595,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "updates (up to the protocol's quantisation); algorithms whose server needs single updates refuse it")
     dep.add_argument("--round-timeout", type=float, default=600.0, metavar="S",
                      help="seconds a round waits for replies before the missing clients count as lost (default 600)")
-    dep.add_argument("--min-replies", type=int, default=1, metavar="N",
-                     help="the fewest replies a round needs after the timeout; fewer stop the run, resumable (default 1)")
+    dep.add_argument("--min-replies", type=int, default=None, metavar="N",
+                     help="the fewest replies a round needs after the timeout; fewer stop the run, resumable "
+                          "(default 1; 3 with --secure-aggregation, the fewest a secure sum takes)")
     dep.add_argument("--supernode-poll", type=float, default=0.2, metavar="S",
                      help="the SuperNodes' longest wait between their pulls of messages, in seconds (default 0.2; "
                           "Flower's own SuperNode waits 3 s, a second and a half per message on average)")

@@ -94,6 +94,11 @@ class Config:
     pool: bool = P.param(False, None, "pool the official train and test sets before partitioning (PFLlib); needs test_fraction > 0")
     normalize: str = P.param("dataset", P.OneOf(("dataset", "half", "none")), "input normalisation: the dataset's channel mean/std, 0.5/0.5 (PFLlib) or none (pixels in [0, 1], FedU2)")
     sample_fraction: float = P.param(1.0, P.Interval(0, 1, "right"), "fraction of clients sampled per round")
+    sampling: str = P.param(
+        "seeded", P.OneOf(("seeded", "secret")),
+        "how a round's clients are drawn: seeded (from the seed, listed in metrics.jsonl: reproducible and public) or secret "
+        "(from the OS CSPRNG at the server, written nowhere: dp=central then counts amplification by sampling; docs/privacy.md)",
+    )
     client_dropout: float = P.param(
         0.0, P.Interval(0, 1, "left"),
         "probability that a sampled client does not reply in a round (drawn from the seed): it trains nothing, keeps its state, and is recorded as lost",
@@ -198,6 +203,7 @@ NEUTRAL_VALUES: dict[str, Any] = {
     "model.projection_out_bn": False,
     "algorithm.missing_label": "keep",
     "client_dropout": 0.0,
+    "sampling": "seeded",
     "client_speed": "constant",
     "speed_jitter": 0.0,
     "round_deadline": None,

@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import shutil
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from ..errors import CheckpointError
-from .checkpoint import load_safe, save_atomic
+from .checkpoint import client_files, load_safe, save_atomic
 from .run_dir import fsync_dir
 
 
@@ -64,6 +65,7 @@ class ClientStore:
         self._committed: set[str] = set()  # files named by the last committed checkpoint
         self._serial = 0
         self._used = 0
+        self._check: Callable[[Any, Path, int], None] | None = None  # of states read back (restore)
 
     def __contains__(self, cid: int) -> bool:
         return cid in self._memory or cid in self._files
@@ -74,7 +76,10 @@ class ClientStore:
             self._memory.move_to_end(cid)
             return self._memory[cid][0]
         if cid in self._files:
-            state = load_safe(self.directory / self._files[cid], f"client {cid}'s state", self.map_location)
+            path = self.directory / self._files[cid]
+            state = load_safe(path, f"client {cid}'s state", self.map_location)
+            if self._check is not None:
+                self._check(state, path, cid)
             self._keep_in_memory(cid, state, dirty=False)
             return state
         return None
@@ -124,19 +129,25 @@ class ClientStore:
             (self.directory / name).unlink(missing_ok=True)
         self._committed = committed
 
-    def restore(self, manifest: dict[str, Any]) -> None:
-        """Go back to the states of a committed checkpoint (forgetting memory)."""
-        self._memory.clear()
-        self._used = 0
-        self._files = {int(cid): str(name) for cid, name in manifest["files"].items()}
-        self._serial = int(manifest["serial"])
-        self._committed = set(self._files.values())
-        missing = [n for n in self._committed if not (self.directory / n).is_file()]
+    def restore(self, manifest: dict[str, Any], check: Callable[[Any, Path, int], None] | None = None) -> None:
+        """Go back to the states of a committed checkpoint (forgetting memory); ``check``
+        (e.g. :func:`~contrafl.engine.checkpoint.check_client_state`) is then applied to
+        every state read back from disk. A manifest that names a file this store cannot
+        have written (:func:`~contrafl.engine.checkpoint.client_files`) or a missing one
+        is a :class:`CheckpointError` that changes nothing, here or on disk."""
+        files = client_files(manifest, f"the client-state manifest of {self.directory}")
+        missing = [n for n in files.values() if not (self.directory / n).is_file()]
         if missing:
             raise CheckpointError(
                 f"client state {self.directory / missing[0]} named by the checkpoint is missing; "
                 "the run directory is incomplete and cannot be resumed"
             )
+        self._memory.clear()
+        self._used = 0
+        self._files = files
+        self._serial = manifest["serial"]
+        self._committed = set(files.values())
+        self._check = check
         self._remove_unused()
 
     def clear(self) -> None:

@@ -1,7 +1,7 @@
 """Client-level differential privacy (``dp=central`` or ``dp=local``).
 
 A client's update ``u_i`` is every floating-point tensor of its reply's payload minus the
-tensor of the same name in the message it trained on (the tensor itself where the
+tensor of the same position in the message it trained on (the tensor itself where the
 message has none: SCAFFOLD's ``delta_c``, prototypes), as one vector
 (:func:`~contrafl.engine.validate.update_norm`). DP-FedAvg (McMahan et al., ICLR 2018)
 bounds each client's influence by clipping it to the norm ``C`` (``dp.clip``)::
@@ -15,22 +15,35 @@ and adds Gaussian noise of standard deviation ``sigma = z * C`` (``z``:
   ``N(0, (sigma / m)^2 I)`` to each of the ``m`` replies it aggregates. The algorithm's
   aggregate is an affine function of the replies' sum with equal weights (every reply
   counts as one sample), so the sum gets ``m * xi ~ N(0, sigma^2 I)``: the Gaussian
-  mechanism on the sum of clipped updates, whose l2 sensitivity is ``C``.
+  mechanism on the sum of clipped updates.
 - ``local``: each client clips its own update and adds ``N(0, sigma^2 I)`` before it
-  sends it; the server sees nothing else of the client's data.
+  sends it. The server checks what it receives (:meth:`Privacy.check_local`): every
+  reply weighs one sample, and an update longer than clipping plus the noise can make
+  it is refused.
 
-Noise is drawn from the streams ``(seed, "dp", round)`` (central) and ``(seed, "dp",
-round, client)`` (local), so a run is reproducible and a Flower deployment draws the same
-noise as the simulator. :class:`Accountant` reports epsilon at ``dp.delta`` with
-dp-accounting's RDP accountant.
+The noise is secret by default (``dp.noise=secret``): drawn from the operating system's
+CSPRNG by the party that adds it (:func:`secret_gaussian`), so that nobody else can
+subtract it. ``dp.noise=reproducible`` draws it from the streams ``(seed, "dp", round)``
+and ``(seed, "dp", round, client)`` instead, which anyone holding ``config.yaml`` can
+regenerate: for studying utility only.
+
+Every release is written to the run's privacy ledger (:class:`Ledger`) before anything
+made from it leaves the server, and the ledger is never cut back on resume: a round
+re-run after a crash that releases something else than the first time counts twice.
+:class:`Accountant` turns the ledger into epsilon at ``dp.delta`` with dp-accounting's
+RDP accountant (docs/privacy.md gives the threat model of each mode).
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
 import math
-from collections.abc import Callable, Mapping
+import os
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -38,8 +51,10 @@ import torch
 from .. import params as P
 from ..algorithms.base import Reply
 from ..config import Config
-from ..errors import ConfigError
+from ..errors import CheckpointError, ConfigError
 from ..rng import generator
+from .sampling import clients_per_round
+from .validate import is_label_table, label_tables
 
 DP_MODES = {
     "none": "no differential privacy (the default)",
@@ -47,6 +62,10 @@ DP_MODES = {
     "local": "each client clips its update and adds N(0, (z C)^2) before sending (no trust in the server; much more noise)",
 }
 MODES = tuple(DP_MODES)
+FALSE_REJECTION = 1e-9
+"""``dp=local``: the probability that the server refuses an honest client's reply as
+longer than clipping plus the noise can make it (:meth:`Privacy.local_bound`)."""
+LEDGER = "dp_ledger.jsonl"
 
 
 @dataclass(frozen=True)
@@ -57,45 +76,103 @@ class DPParams:
     noise_multiplier: float = P.param(1.0, P.Interval(0, None), "z: the Gaussian noise's standard deviation is z * C on the sum of the updates (central) or on each update (local)")
     delta: float = P.param(1e-5, P.Interval(0, 1, "neither"), "delta at which epsilon is reported (take it below 1 / num_clients)")
     rep_clip: float | None = P.param(None, P.Interval(0, None, "neither"), "per-label tables (prototypes): clip each label's representation to this l2 norm before the update's clip (none: only the update's clip)")
-    labels: str = P.param("hide", P.OneOf(("hide", "clear")), "per-label tables: hide which labels a client holds (every label's row is sent, absent ones as zeros under the noise, and every label counts once) or send the label counts in the clear (not covered by DP)")
+    labels: str = P.param("hide", P.OneOf(("hide", "clear")), "per-label tables: hide which labels a client holds (every label's row is sent, an absent one with no update, and every label counts once) or send the label counts in the clear (not covered by DP)")
+    noise: str = P.param(
+        "secret", P.OneOf(("secret", "reproducible")),
+        "secret: drawn from the OS CSPRNG of the party that adds it (runs are not repeatable); reproducible: from the run's seed, which anyone with config.yaml can subtract (protects nothing; for studying utility)",
+    )
+
+
+def sampling_kind(cfg: Config) -> str:
+    """How a round's clients are drawn, as the accounting sees it: ``full`` (every client),
+    ``secret`` (``sampling=secret``: the OS CSPRNG, written nowhere) or ``public``
+    (``sampling=seeded``: a function of the seed, listed in ``metrics.jsonl``)."""
+    if clients_per_round(cfg.num_clients, cfg.sample_fraction) >= cfg.num_clients:
+        return "full"
+    return "secret" if cfg.sampling == "secret" else "public"
 
 
 class Privacy:
-    """A run's client-level DP (``dp=central`` or ``dp=local``, the module doc) and the
-    releases it has counted, which the run's checkpoint keeps (:meth:`state_dict`).
+    """A run's client-level DP (``dp=central`` or ``dp=local``, the module doc): the
+    clipping, the noise, the server's checks and the releases it has counted.
 
     Args:
         cfg: the run's resolved configuration (``dp`` not ``none``).
-        sampled: clients sampled per round (``m`` of the accounting).
     """
 
-    def __init__(self, cfg: Config, sampled: int) -> None:
+    def __init__(self, cfg: Config) -> None:
         self.mode = cfg.dp.name
         self.params: DPParams = P.build(DPParams, cfg.dp.options, "dp")
-        self.seed, self.num_clients, self.sampled = cfg.seed, cfg.num_clients, sampled
-        self.releases = 0  # central: rounds whose aggregate was released
-        self.client_releases: dict[int, int] = {}  # local: each client's noisy replies
+        self.seed, self.num_clients = cfg.seed, cfg.num_clients
+        self.sampled = clients_per_round(cfg.num_clients, cfg.sample_fraction)
+        self.sampling = sampling_kind(cfg)
+        self.ledger = Ledger()
 
     @classmethod
-    def of(cls, cfg: Config, sampled: int) -> Privacy | None:
+    def of(cls, cfg: Config) -> Privacy | None:
         """The run's DP, or None when ``dp=none``."""
-        return None if cfg.dp.name == "none" else cls(cfg, sampled)
+        return None if cfg.dp.name == "none" else cls(cfg)
 
+    @property
+    def sigma(self) -> float:
+        """The noise's standard deviation ``z * C``."""
+        return self.params.noise_multiplier * self.params.clip
+
+    def noise(self, like: list[torch.Tensor], std: float, *key: object) -> list[torch.Tensor]:
+        """``N(0, std^2)`` tensors shaped as ``like``: secret (:func:`secret_gaussian`), or
+        from the stream ``(seed, "dp", *key)`` with ``dp.noise=reproducible``."""
+        if self.params.noise == "reproducible":
+            return gaussian(like, std, generator(self.seed, "dp", *key))
+        return secret_gaussian(like, std)
+
+    # -- clients (dp=local) --------------------------------------------------------------
     def privatize(self, reply: Reply, message: Any, t: int) -> Reply:
         """``dp=local``: the reply a client sends, its per-label tables protected
-        (:func:`protect_labels`), its update clipped to ``C`` plus ``N(0, (z C)^2)`` noise
-        from the stream ``(seed, "dp", t, cid)``, counting as one sample."""
+        (:func:`protect_labels`), its update clipped to ``C`` plus ``N(0, (z C)^2)``
+        noise, counting as one sample."""
         p = self.params
-        payload = protect_labels(reply.payload, p.rep_clip, p.labels == "hide")
+        payload = protect_labels(reply.payload, message, p.rep_clip, p.labels == "hide")
         payload, _ = clip(payload, message, p.clip)
-        noise = gaussian(updates(payload, message), p.noise_multiplier * p.clip, generator(self.seed, "dp", t, reply.cid))
+        noise = self.noise(float_leaves(payload), self.sigma, t, reply.cid)
         return Reply(reply.cid, 1, add_noise(payload, message, noise))
+
+    # -- server --------------------------------------------------------------------------
+    def local_bound(self, size: int) -> float:
+        """``dp=local``: the longest update an honest client of ``size`` update values
+        sends, but with probability :data:`FALSE_REJECTION`::
+
+            ||clip(u) + n|| <= C + ||n||,   P(||n|| > sigma (sqrt(d) + t)) <= exp(-t^2 / 2)
+
+        (the norm is 1-Lipschitz and ``E||n|| <= sigma sqrt(d)``; Gaussian concentration),
+        with ``t = sqrt(2 ln(1 / FALSE_REJECTION))``, plus a relative 1e-5 for rounding."""
+        t = math.sqrt(2 * math.log(1 / FALSE_REJECTION))
+        return (self.params.clip + self.sigma * (math.sqrt(size) + t)) * (1 + 1e-5)
+
+    def check_local(self, reply: Reply, message: Any) -> str | None:
+        """``dp=local``: why the server cannot take ``reply`` as a protected update, or
+        None. It must weigh one sample (else a client could outweigh the others), hide its
+        labels when ``dp.labels=hide`` (every label marked), and its update must not be
+        longer than :meth:`local_bound`."""
+        if reply.num_samples != 1:
+            return f"num_samples={reply.num_samples!r}, expected 1 (under dp=local every reply counts once)"
+        if self.params.labels == "hide":
+            for table in label_tables(reply.payload):
+                for key in ("counts", "mask"):
+                    if key in table and not bool((table[key] == 1).all()):
+                        return f"a per-label table's {key} mark only some labels, expected every label (dp.labels=hide)"
+        u = updates(reply.payload, message)
+        norm, bound = vector_norm(u), self.local_bound(sum(x.numel() for x in u))
+        if norm > bound:
+            return (
+                f"update norm {norm:.4g} exceeds {bound:.4g}, the most that clipping to dp.clip={self.params.clip:g} "
+                f"plus the noise gives (false rejections: {FALSE_REJECTION:g})"
+            )
+        return None
 
     def central(self, replies: list[Reply], messages: Mapping[int, Any], t: int) -> tuple[list[Reply], int]:
         """``dp=central``: the replies clipped to ``C``, each counting as one sample, with
-        one draw ``xi ~ N(0, (z C / m)^2)`` from the stream ``(seed, "dp", t)`` added to
-        each of the ``m`` replies' updates (the aggregate's sum then carries
-        ``N(0, (z C)^2)``); and how many were clipped."""
+        one draw ``xi ~ N(0, (z C / m)^2)`` added to each of the ``m`` replies' updates
+        (the aggregate's sum then carries ``N(0, (z C)^2)``); and how many were clipped."""
         p = self.params
         clipped, out = 0, []
         for r in replies:
@@ -104,50 +181,179 @@ class Privacy:
             out.append((r.cid, payload))
         if not out:
             return [], 0
-        std = p.noise_multiplier * p.clip / len(out)
-        xi = gaussian(updates(out[0][1], messages[out[0][0]]), std, generator(self.seed, "dp", t))
+        xi = self.noise(float_leaves(out[0][1]), self.sigma / len(out), t)
         return [Reply(cid, 1, add_noise(payload, messages[cid], xi)) for cid, payload in out], clipped
+
+    # -- accounting ------------------------------------------------------------------------
+    def record(self, t: int, replies: list[Reply]) -> dict[str, Any]:
+        """Write round ``t``'s releases to the ledger (central: the aggregate of
+        ``replies``, noised, if any; local: each noisy reply that reached the server) and
+        return its row's ``dp_epsilon`` (epsilon so far at ``delta``) and
+        ``dp_releases``."""
+        if self.mode == "central":
+            if replies:
+                digest = release_digest(x for r in replies for x in float_leaves(r.payload))
+                clients = [r.cid for r in replies] if self.sampling == "public" else None
+                self.ledger.add(t, None, digest, clients)
+        else:
+            for r in replies:
+                self.ledger.add(t, r.cid, release_digest(float_leaves(r.payload)))
+        return {"dp_epsilon": self.accountant.epsilon(self.spent()), "dp_releases": self.spent()}
 
     @functools.cached_property
     def accountant(self) -> Accountant:
         """The run's accountant, built on first use: a client's process (a Flower
         SuperNode's) needs no dp-accounting."""
-        return Accountant(self.mode, self.params.noise_multiplier, self.params.delta, self.num_clients, self.sampled)
+        return Accountant.of(self.mode, self.sampling, self.params.noise_multiplier, self.params.delta, self.num_clients, self.sampled)
 
     def spent(self) -> int:
-        """The releases so far (local: of the client that has sent most)."""
-        return self.releases if self.mode == "central" else max(self.client_releases.values(), default=0)
-
-    def count(self, cids: list[int]) -> dict[str, Any]:
-        """Count a round's releases (central: the aggregate of the replies of ``cids``, if
-        any; local: each of ``cids``'s noisy reply): its row's ``dp_epsilon`` (epsilon so
-        far at ``delta``) and ``dp_releases``."""
-        if self.mode == "central":
-            self.releases += bool(cids)
-        else:
-            for cid in cids:
-                self.client_releases[cid] = self.client_releases.get(cid, 0) + 1
-        return {"dp_epsilon": self.accountant.epsilon(self.spent()), "dp_releases": self.spent()}
+        """The releases epsilon counts: central with full participation or a secret
+        sample, the aggregates released; otherwise those of the client that has the most
+        (central with a public sample: the aggregates that included it; local: its noisy
+        replies)."""
+        if self.mode == "central" and self.sampling != "public":
+            return self.ledger.count(None)
+        return max(self.ledger.per_client().values(), default=0)
 
     def summary(self) -> dict[str, Any]:
         """The summary's ``dp`` block."""
         return {
             "mode": self.mode, "epsilon": self.accountant.epsilon(self.spent()), "delta": self.params.delta,
-            "releases": self.spent(), "neighbouring": self.accountant.relation,
+            "releases": self.spent(), "neighbouring": self.accountant.relation, "sampling": self.sampling,
+            "noise": self.params.noise,
         }
 
     def state_dict(self) -> dict[str, Any]:
-        return {"releases": self.releases, "client_releases": self.client_releases}
+        return {"ledger": list(self.ledger.entries)}
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.releases = int(state.get("releases", 0))
-        self.client_releases = {int(c): int(n) for c, n in state.get("client_releases", {}).items()}
+    def load_state_dict(self, state: Any, history: list[dict[str, Any]], where: str) -> None:
+        """Restore the ledger: the union of the checkpoint's (``state``) and the run
+        directory's file (already opened by :meth:`Ledger.open`), checked against the
+        rounds ``history`` recorded: it must hold a release of every round that reported
+        one, and no fewer releases than the last row reported (:class:`CheckpointError`
+        naming ``where`` otherwise)."""
+        entries = state.get("ledger", []) if isinstance(state, Mapping) else None
+        if not isinstance(entries, list):
+            raise CheckpointError(f"{where}: the privacy ledger is {type(entries).__name__}, expected a list of releases; the checkpoint was edited or not written by contrafl")
+        for entry in entries:
+            self.ledger.add_entry(entry, where)
+        previous = 0
+        for row in history:
+            released = row.get("dp_releases") if isinstance(row, Mapping) else None
+            if not isinstance(released, int) or isinstance(released, bool) or released < previous:
+                raise CheckpointError(f"{where}: round {row.get('round') if isinstance(row, Mapping) else '?'}'s dp_releases={released!r} is not a count that never decreases; the checkpoint was edited or not written by contrafl")
+            if released > previous and not self.ledger.has_round(int(row["round"]) - 1):
+                raise CheckpointError(
+                    f"{where}: round {row['round']} released an update that the privacy ledger does not record "
+                    f"(epsilon would be under-reported); restore {LEDGER} and the checkpoint together, or start the run again"
+                )
+            previous = released
+        if self.spent() < previous:
+            raise CheckpointError(
+                f"{where}: the privacy ledger counts {self.spent()} releases, fewer than the {previous} the rounds reported "
+                f"(epsilon would be under-reported); restore {LEDGER} and the checkpoint together, or start the run again"
+            )
+
+
+class Ledger:
+    """The releases of a run, one entry ``{"round", "client", "digest"}`` each (``client``
+    None for a central aggregate, which lists its ``clients`` when the sample is public),
+    appended (and synced) to a file of the run directory before the release is used, and
+    never removed: a resumed run keeps counting what earlier attempts released. The same
+    release again (same round, client and digest: a re-run that computed the same thing)
+    counts once."""
+
+    def __init__(self) -> None:
+        self.entries: list[dict[str, Any]] = []
+        self._keys: set[tuple[int, int | None, str]] = set()
+        self.path: Path | None = None
+
+    def open(self, path: Path) -> None:
+        """Keep the ledger in ``path`` from now on, with the entries it already holds."""
+        self.path = Path(path)
+        if self.path.is_file():
+            for n, line in enumerate(self.path.read_text().splitlines(), start=1):
+                if not line.strip():
+                    continue
+                try:
+                    entry = json.loads(line)
+                except json.JSONDecodeError:
+                    raise CheckpointError(f"{self.path} line {n} is not JSON; the privacy ledger was edited or damaged (restore it, or start the run again)") from None
+                self.add_entry(entry, f"{self.path} line {n}", write=False)
+
+    def add(self, round: int, client: int | None, digest: str, clients: list[int] | None = None) -> None:
+        entry: dict[str, Any] = {"round": round, "client": client, "digest": digest}
+        if clients is not None:
+            entry["clients"] = clients
+        self.add_entry(entry, "the privacy ledger")
+
+    def add_entry(self, entry: Any, where: str, write: bool = True) -> None:
+        """Add ``entry`` (checked) unless the ledger has it; with ``write``, to the file too."""
+        ok = (
+            isinstance(entry, Mapping) and _count(entry.get("round")) and isinstance(entry.get("digest"), str)
+            and (entry.get("client") is None or _count(entry.get("client")))
+            and (entry.get("clients") is None or (isinstance(entry["clients"], list) and all(_count(c) for c in entry["clients"])))
+        )
+        if not ok:
+            raise CheckpointError(f"{where}: {json.dumps(entry, default=str)[:80]} is not a release (round, client, digest); the privacy ledger was edited or not written by contrafl")
+        key = (entry["round"], entry["client"], entry["digest"])
+        if key in self._keys:
+            return
+        self._keys.add(key)
+        self.entries.append(dict(entry))
+        if write and self.path is not None:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(entry) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+
+    def count(self, client: int | None) -> int:
+        """The releases of ``client`` (None: central aggregates)."""
+        return sum(1 for e in self.entries if e["client"] == client)
+
+    def per_client(self) -> dict[int, int]:
+        """Each client's releases: its noisy replies, or the central aggregates that list it."""
+        out: dict[int, int] = {}
+        for e in self.entries:
+            for c in e.get("clients", [e["client"]] if e["client"] is not None else []):
+                out[c] = out.get(c, 0) + 1
+        return out
+
+    def has_round(self, round: int) -> bool:
+        return any(e["round"] == round for e in self.entries)
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def float_leaves(payload: Any) -> list[torch.Tensor]:
+    """The floating-point tensors of ``payload`` in :func:`map_update`'s order."""
+    if isinstance(payload, torch.Tensor):
+        return [payload] if payload.is_floating_point() else []
+    if isinstance(payload, Mapping):
+        return [x for v in payload.values() for x in float_leaves(v)]
+    if isinstance(payload, (list, tuple)):
+        return [x for v in payload for x in float_leaves(v)]
+    return []
+
+
+def release_digest(tensors: Iterable[torch.Tensor]) -> str:
+    """A SHA-256 of ``tensors``' values (shape, dtype and bytes): the same release computed
+    again has the same digest."""
+    h = hashlib.sha256()
+    for t in tensors:
+        t = t.detach().cpu().contiguous()
+        h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:32]
 
 
 def map_update(payload: Any, message: Any, fn: Callable[[int, torch.Tensor], torch.Tensor]) -> Any:
     """``payload`` with every floating-point tensor ``p`` (update ``u = p - m``, ``m`` the
-    message's tensor of the same name and shape, else 0) replaced by ``m + fn(k, u)``,
-    ``k`` numbering the tensors in the payload's order."""
+    message's tensor of the same position and shape, else 0) replaced by ``m + fn(k, u)``,
+    ``k`` numbering the tensors in the payload's order; mappings, lists and tuples are
+    walked alike."""
     count = 0
 
     def walk(value: Any, ref: Any) -> Any:
@@ -160,6 +366,9 @@ def map_update(payload: Any, message: Any, fn: Callable[[int, torch.Tensor], tor
             return base + fn(k, value - base)
         if isinstance(value, Mapping):
             return {key: walk(v, ref.get(key) if isinstance(ref, Mapping) else None) for key, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            refs = ref if isinstance(ref, (list, tuple)) and len(ref) == len(value) else [None] * len(value)
+            return type(value)(walk(v, r) for v, r in zip(value, refs))
         return value
 
     return walk(payload, message)
@@ -172,98 +381,160 @@ def updates(payload: Any, message: Any) -> list[torch.Tensor]:
     return out
 
 
-def is_label_table(value: Any) -> bool:
-    """A per-label table of a reply (:mod:`contrafl.algorithms.prototypes`): a mapping with
-    ``reps`` (float ``[C, d]``) and ``counts`` (integer ``[C]``, FedCRL, FedProto, FedPAC,
-    FedGH) or ``mask`` (bool ``[C]``, FedSSC)."""
-    if not isinstance(value, Mapping) or not isinstance(value.get("reps"), torch.Tensor) or value["reps"].dim() != 2:
-        return False
-    marks = [value.get(k) for k in ("counts", "mask")]
-    return any(isinstance(m, torch.Tensor) and m.dim() == 1 and not m.is_floating_point() for m in marks)
+def vector_norm(tensors: list[torch.Tensor]) -> float:
+    """``||(t_1, ..., t_k)||`` in float64."""
+    return math.sqrt(sum(float(u.double().pow(2).sum()) for u in tensors))
 
 
-def protect_labels(payload: Any, rep_clip: float | None, hide: bool) -> Any:
+def protect_labels(payload: Any, message: Any, rep_clip: float | None, hide: bool) -> Any:
     """``payload`` with every per-label table's rows clipped to ``rep_clip`` (when given)
-    and, with ``hide``, its label marks set for every label (``counts`` 1, ``mask``
-    True): the table then has the same shape and marks whatever labels the client holds,
-    an absent label's row being zeros, which the noise hides like any other row."""
-    if isinstance(payload, Mapping) and is_label_table(payload):
+    and, with ``hide``, a row for every label (a compact table, one row per marked label,
+    is spread out to ``[C, d]``), its label marks set for every label (``counts`` 1,
+    ``mask`` True) and each absent label's row made an empty update: the message's row
+    where the message has a table of that shape, else zeros. The table then has the same
+    shape and marks whatever labels the client holds, and the noise covers every row
+    alike."""
+    if is_label_table(payload):
         reps = payload["reps"]
         if rep_clip is not None:
             norms = reps.double().norm(dim=1, keepdim=True)
             reps = reps * (rep_clip / norms).clamp(max=1.0).to(reps.dtype)
         out = {**payload, "reps": reps}
         if hide:
+            marks = payload["counts"] if "counts" in payload else payload["mask"]
+            if len(reps) != len(marks):  # a compact table (FedSSC's): one row per marked label
+                reps = reps.new_zeros(len(marks), reps.shape[1]).index_copy(0, torch.nonzero(marks > 0).flatten(), reps)
+            ref = message.get("reps") if isinstance(message, Mapping) else None
+            empty = ref.to(reps) if isinstance(ref, torch.Tensor) and ref.shape == reps.shape else torch.zeros_like(reps)
+            out["reps"] = torch.where((marks > 0)[:, None], reps, empty)
             out.update({k: torch.ones_like(v) for k, v in payload.items() if k in ("counts", "mask")})
         return out
     if isinstance(payload, Mapping):
-        return {k: protect_labels(v, rep_clip, hide) for k, v in payload.items()}
+        return {k: protect_labels(v, message.get(k) if isinstance(message, Mapping) else None, rep_clip, hide) for k, v in payload.items()}
+    if isinstance(payload, (list, tuple)):
+        refs = message if isinstance(message, (list, tuple)) and len(message) == len(payload) else [None] * len(payload)
+        return type(payload)(protect_labels(v, r, rep_clip, hide) for v, r in zip(payload, refs))
     return payload
 
 
 def clip(payload: Any, message: Any, bound: float) -> tuple[Any, float]:
     """``(payload with its update clipped to norm bound, the update's norm before)``."""
-    norm = math.sqrt(sum(float(u.double().pow(2).sum()) for u in updates(payload, message)))
+    norm = vector_norm(updates(payload, message))
     scale = min(1.0, bound / norm) if norm > 0 else 1.0
     return (payload if scale == 1.0 else map_update(payload, message, lambda k, u: u * scale)), norm
 
 
 def gaussian(shapes: list[torch.Tensor], std: float, generator: torch.Generator) -> list[torch.Tensor]:
-    """One ``N(0, std^2)`` tensor like each of ``shapes`` (float32 on the CPU, drawn in order)."""
+    """One ``N(0, std^2)`` tensor like each of ``shapes`` (float32 on the CPU, drawn in
+    order from ``generator``: reproducible)."""
     return [std * torch.randn(u.shape, generator=generator, dtype=torch.float32) for u in shapes]
+
+
+def secret_normal(n: int) -> torch.Tensor:
+    """``n`` draws of ``N(0, 1)`` (float64) from the operating system's CSPRNG
+    (``os.urandom``), by the Box-Muller transform of uniforms ``u = (k + 1/2) / 2^53``,
+    ``k`` 53 random bits::
+
+        z = sqrt(-2 ln u_1) * (cos(2 pi u_2), sin(2 pi u_2))
+    """
+    pairs = (n + 1) // 2
+    bits = torch.frombuffer(bytearray(os.urandom(16 * pairs)), dtype=torch.int64) if pairs else torch.zeros(0, dtype=torch.int64)
+    u = ((bits & (2**53 - 1)).double() + 0.5) * 2.0**-53
+    u1, u2 = u[:pairs], u[pairs:]
+    r, theta = torch.sqrt(-2 * torch.log(u1)), 2 * math.pi * u2
+    return torch.cat([r * torch.cos(theta), r * torch.sin(theta)])[:n]
+
+
+def secret_gaussian(shapes: list[torch.Tensor], std: float) -> list[torch.Tensor]:
+    """One ``N(0, std^2)`` tensor like each of ``shapes`` (float32 on the CPU) from the
+    operating system's CSPRNG (:func:`secret_normal`): nothing in the run's files or
+    state determines it."""
+    z = secret_normal(sum(u.numel() for u in shapes))
+    out, start = [], 0
+    for u in shapes:
+        out.append((std * z[start : start + u.numel()]).to(torch.float32).view(u.shape))
+        start += u.numel()
+    return out
 
 
 def add_noise(payload: Any, message: Any, noise: list[torch.Tensor]) -> Any:
     """``payload`` with ``noise[k]`` added to its ``k``-th update tensor."""
-    if len(noise) != len(updates(payload, message)):
+    if len(noise) != len(float_leaves(payload)):
         raise ValueError("the noise does not match the reply's update tensors")
     return map_update(payload, message, lambda k, u: u + noise[k].to(u))
 
 
 class Accountant:
-    """Epsilon at ``delta`` of ``releases`` Gaussian releases of noise multiplier ``z``
-    on an l2 sensitivity of ``C`` (relative: ``sigma = z * C``), with dp-accounting's RDP
+    """Epsilon at ``delta`` of ``k`` compositions of a release, with dp-accounting's RDP
     accountant (Mironov 2017; Wang, Balle and Kasiviswanathan 2019 for sampling).
 
-    - ``central`` with every client in every round: ``GaussianDpEvent(z)``, neighbouring
-      federations differing by one client added or removed (sensitivity ``C``).
-    - ``central`` with ``m`` of ``N`` clients sampled without replacement (contrafl's
-      sampler): ``SampledWithoutReplacementDpEvent(N, m, GaussianDpEvent(z / 2))``;
-      that accounting needs neighbours that differ by one client replaced, which moves
-      the sum of clipped updates by up to ``2C``, hence ``z / 2``.
-    - ``local``: a client's own releases, ``GaussianDpEvent(z / 2)`` each (its whole data
-      replaced moves its clipped update by up to ``2C``); the run reports the client that
-      replied most often.
+    ``events`` are descriptions of one release that each bound its privacy loss; epsilon
+    is the smallest of their bounds. Each event's RDP at every order is computed once;
+    ``k`` releases have ``k`` times it (what the library's ``compose(event, k)``
+    computes), so a round's epsilon costs one conversion whatever ``k`` is (:meth:`of`
+    chooses the events).
     """
 
-    def __init__(self, mode: str, z: float, delta: float, num_clients: int, sampled: int) -> None:
+    def __init__(self, events: tuple[Any, ...], relation: str, delta: float, noisy: bool = True) -> None:
+        self.events, self.relation, self.delta, self.noisy = events, relation, delta, noisy
+        self._epsilons: dict[int, float] = {}
+
+    @classmethod
+    def of(cls, mode: str, sampling: str, z: float, delta: float, num_clients: int, sampled: int) -> Accountant:
+        """The accountant of a run (docs/privacy.md, "Epsilon"):
+
+        - ``central``, every client in every round (``full``): ``GaussianDpEvent(z)`` per
+          round, neighbouring federations differing by one client added or removed
+          (sensitivity ``C``).
+        - ``central``, ``m`` of ``N`` clients drawn secretly (``sampling=secret``):
+          ``SampledWithoutReplacementDpEvent(N, m, GaussianDpEvent(z / 2))`` per round;
+          that accounting needs neighbours that differ by one client replaced, which
+          moves the sum of clipped updates by up to ``2C``, hence ``z / 2``. A client
+          takes part in at most every round, so ``GaussianDpEvent(z / 2)`` per round
+          bounds it too, and is the smaller bound for little noise (``z`` about 0.5).
+        - ``central``, a public sample (``sampling=seeded``): no amplification, since
+          everyone who has ``config.yaml`` knows who took part; ``GaussianDpEvent(z / 2)``
+          (replace-one, as for the secret sample) for each round a client took part in,
+          reported for the client that took part most often.
+        - ``local``: a client's own releases, ``GaussianDpEvent(z / 2)`` each (its whole
+          data replaced moves its clipped update by up to ``2C``), reported for the client
+          that sent most.
+        """
         from dp_accounting import dp_event
 
-        self.z, self.delta = z, delta
-        self.relation = "add_or_remove_one"
-        if mode == "local":
-            self.event = dp_event.GaussianDpEvent(z / 2)
-            self.relation = "replace_one"
-        elif sampled < num_clients:
-            self.event = dp_event.SampledWithoutReplacementDpEvent(num_clients, sampled, dp_event.GaussianDpEvent(z / 2))
-            self.relation = "replace_one"
-        else:
-            self.event = dp_event.GaussianDpEvent(z)
+        if mode == "central" and sampling == "full":
+            return cls((dp_event.GaussianDpEvent(z),), "add_or_remove_one", delta, z > 0)
+        gaussian = dp_event.GaussianDpEvent(z / 2)
+        if mode == "central" and sampling == "secret":
+            return cls((dp_event.SampledWithoutReplacementDpEvent(num_clients, sampled, gaussian), gaussian), "replace_one", delta, z > 0)
+        return cls((gaussian,), "replace_one", delta, z > 0)
 
-    def epsilon(self, releases: int) -> float | None:
-        """Epsilon after ``releases`` compositions of the event: 0 for none, None (no
-        guarantee) when the noise multiplier is 0."""
-        if releases == 0:
-            return 0.0
-        if self.z == 0:
-            return None
+    @functools.cached_property
+    def _units(self) -> list[tuple[Any, Any]]:
+        """Each event's RDP orders and its RDP at each (one composition)."""
         from dp_accounting import privacy_accountant
         from dp_accounting.rdp import RdpAccountant
 
         relation = getattr(privacy_accountant.NeighboringRelation, self.relation.upper())
-        accountant = RdpAccountant(neighboring_relation=relation)
-        accountant.compose(self.event, releases)
-        return float(accountant.get_epsilon(self.delta))
+        units = []
+        for event in self.events:
+            accountant = RdpAccountant(neighboring_relation=relation)
+            accountant.compose(event, 1)
+            units.append((accountant._orders, accountant._rdp))  # the library keeps no public getter of the RDP curve
+        return units
+
+    def epsilon(self, releases: int) -> float | None:
+        """Epsilon after ``releases`` compositions (the smallest of the events' bounds):
+        0 for none, None (no guarantee) when the noise multiplier is 0."""
+        if releases == 0:
+            return 0.0
+        if not self.noisy:
+            return None
+        if releases not in self._epsilons:
+            from dp_accounting.rdp.rdp_privacy_accountant import compute_epsilon
+
+            self._epsilons[releases] = min(float(compute_epsilon(orders, releases * rdp, self.delta)[0]) for orders, rdp in self._units)
+        return self._epsilons[releases]
 
 
 def require_accounting() -> None:

@@ -94,13 +94,17 @@ class Progress:
             parts.append("eps " + ("inf" if row["dp_epsilon"] is None else f"{row['dp_epsilon']:.3g}"))
         parts.append(f"{per_round:.1f}s/round ETA {clock_text(eta)}{self.suffix()}")
         self.stream.write(("\r" if self.live else "") + "  ".join(parts) + "\n")
-        for item in row.get("rejected", []):
-            self.stream.write(f"{self.prefix}  client {item['client']}'s update rejected: {item['reason']}\n")
-        by_reason: dict[str, list[int]] = {}
+        for item in row.get("rejected", []):  # sampling=secret names no client
+            who = f"client {item['client']}'s" if "client" in item else "an"
+            self.stream.write(f"{self.prefix}  {who} update rejected: {item['reason']}\n")
+        by_reason: dict[str, list[int | None]] = {}
         for item in row.get("lost", []):
-            by_reason.setdefault(item["reason"], []).append(item["client"])
+            by_reason.setdefault(item["reason"], []).append(item.get("client"))
         for reason, cids in by_reason.items():  # one line per reason (client_dropout loses many)
-            who = f"client {cids[0]}" if len(cids) == 1 else f"clients {', '.join(map(str, cids))}"
+            if None in cids:
+                who = "a client" if len(cids) == 1 else f"{len(cids)} clients"
+            else:
+                who = f"client {cids[0]}" if len(cids) == 1 else f"clients {', '.join(map(str, cids))}"
             self.stream.write(f"{self.prefix}  {who} lost: {reason}\n")
         self.stream.flush()
 

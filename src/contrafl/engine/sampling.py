@@ -1,8 +1,10 @@
-"""Client sampling."""
+"""Client sampling: from the seed (``sampling=seeded``, the default, like MOON's code) or
+from the operating system's CSPRNG (``sampling=secret``)."""
 
 from __future__ import annotations
 
 import random
+import secrets
 
 from ..rng import derive_seed
 
@@ -21,3 +23,11 @@ def sample_schedule(num_clients: int, fraction: float, rounds: int, seed: int) -
     rng = random.Random(derive_seed(seed, "client-sampling"))
     k = clients_per_round(num_clients, fraction)
     return [sorted(rng.sample(range(num_clients), k)) for _ in range(rounds)]
+
+
+def secret_sample(num_clients: int, fraction: float) -> list[int]:
+    """One round's clients for ``sampling=secret``: ``clients_per_round(N, fraction)`` of
+    ``range(N)`` without replacement, sorted, drawn from the operating system's CSPRNG
+    (``secrets.SystemRandom``), so that nothing in the run's files or seed tells who
+    took part."""
+    return sorted(secrets.SystemRandom().sample(range(num_clients), clients_per_round(num_clients, fraction)))

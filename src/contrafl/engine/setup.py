@@ -155,6 +155,12 @@ def resolve(cfg: Config) -> Config:
             "use stragglers=drop, or algorithm=fedprox (algorithm.mu=0 is FedAvg that keeps partial work)"
         )
     dp = resolve_dp(cfg.dp, algo_cls, algo_params)
+    if dp.name == "central" and cfg.update_outlier_factor > 0:
+        raise ConfigError(
+            f"update_outlier_factor={cfg.update_outlier_factor:g} judges updates by their norms before dp=central clips them, "
+            "so one client's data could remove other clients from the sum (beyond the sensitivity epsilon assumes) and the "
+            "rejections would publish exact norms; set update_outlier_factor=0 (clipping to dp.clip already bounds every update)"
+        )
     if not algo_cls.supervised and cfg.eval_personal:
         raise ConfigError(
             f"eval_personal=true evaluates classifiers, and {algo_cls.name} learns representations without one; "

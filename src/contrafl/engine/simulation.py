@@ -37,26 +37,26 @@ from torch.utils import _pytree as pytree
 
 from ..algorithms.base import LocalTask, Phase, Reply, ServerState, StateDict, TrainResult
 from ..algorithms.server_opt import ServerOptimizer
-from ..config import Config, differences, fingerprint
+from ..config import Config, fingerprint
 from ..data.augment import view_transform
 from ..errors import CheckpointError, ClientUpdateError, one_line
 from ..eval.evaluate import evaluate
 from ..eval.metrics import mean_std, rounds_to_reach
 from ..eval.representation import bank_and_queries, extract_features, knn_accuracy
 from ..models.base import ModelOutput
-from .checkpoint import load_safe, save_atomic
+from .checkpoint import CHECKPOINT_FORMAT, check_checkpoint, check_client_state, client_files, load_safe, save_atomic
 from .client_store import ClientStore
 from .comm import add_bytes, payload_bytes
 from .executor import AutocastNet, FunctionalNet, Job, PhaseRun, SequentialExecutor, Workload
 from .optim import make_optimizer
 from .parallel import ParallelExecutor
 from .plan import ClientPlan, make_plan
-from .privacy import Privacy, require_accounting
+from .privacy import LEDGER, Privacy, require_accounting
 from .progress import Progress
 from ..rng import derive_seed, generator
 from ..speeds import client_speeds, round_speed, step_budget
 from .run_dir import CHECKPOINT, RunDir
-from .sampling import clients_per_round, sample_schedule
+from .sampling import sample_schedule, secret_sample
 from .setup import Setup, choose_executor, cpu_cores
 from .signals import interrupts, signal_name, stop_point
 from .tracking import Tracking, open_tracking
@@ -99,8 +99,10 @@ class ClientOutcome:
     """One client's part of a round as the server sees it: its reply with the training
     loss and the loss's parts (:func:`loss_parts`) summed over its steps and the number
     of steps, or ``reply=None`` and why (``lost``: the client never answered, e.g. its
-    process died). ``time``: the simulated time its work took (``steps / speed``,
-    :mod:`contrafl.speeds`); ``straggler``: how a client that missed the round's deadline
+    process died; ``rejected``: the client's update failed the checks of
+    :func:`~contrafl.engine.validate.check_reply` where it was made, before a transport
+    that hides single updates, such as secure aggregation, could carry it). ``time``:
+    the simulated time its work took (``steps / speed``, :mod:`contrafl.speeds`); ``straggler``: how a client that missed the round's deadline
     was cut (:meth:`Simulation.cut_at_deadline`)."""
 
     cid: int
@@ -111,6 +113,7 @@ class ClientOutcome:
     parts: dict[str, float] = field(default_factory=dict)
     time: float | None = None
     straggler: dict[str, Any] | None = None
+    rejected: str | None = None
 
 
 def loss_parts(stats: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -158,9 +161,6 @@ def make_executor(name: str, workload: Workload, cfg: Config):
     return SequentialExecutor(workload)
 
 
-CHECKPOINT_FORMAT = 1
-
-
 class Simulation:
     """A federated simulation of one configuration."""
 
@@ -191,12 +191,17 @@ class Simulation:
             self.store = ClientStore(cfg.client_memory_gb * 2**30, spill, self.device)
         self.executor_name = cfg.executor if cfg.executor != "auto" else choose_executor(cfg, type(self.algorithm), self.device)
         self.schedule = sample_schedule(cfg.num_clients, cfg.sample_fraction, cfg.rounds, cfg.seed)
+        """Each round's clients drawn from the seed (:meth:`sample`: the round's actual
+        clients, which ``sampling=secret`` draws otherwise; time estimates take this one)."""
+        self._secret_samples: dict[int, list[int]] = {}
         self.speeds = client_speeds(cfg.client_speed, cfg.num_clients, cfg.seed).tolist()
         self.timed = cfg.client_speed != "constant" or cfg.speed_jitter > 0 or cfg.round_deadline is not None
         """Rounds record their simulated duration (``round_time``)."""
         self.fingerprint = fingerprint(cfg)
-        self.privacy = Privacy.of(cfg, clients_per_round(cfg.num_clients, cfg.sample_fraction))
-        """Client-level DP (``dp``), None without."""
+        self.privacy = Privacy.of(cfg)
+        """Client-level DP (``dp``), None without; its ledger is kept in the run directory."""
+        if self.privacy is not None and run_dir is not None:
+            self.privacy.ledger.open(run_dir.path / LEDGER)
         self.history: list[dict[str, Any]] = []
         self.comm_total: dict[str, dict[str, int]] = {"down": {}, "up": {}}
         self.rounds_done = 0
@@ -308,27 +313,21 @@ class Simulation:
         self.checkpoint_seconds += time.perf_counter() - start
         self.run_dir.write_json("summary.json", self.summary("running", seconds))
 
-    def restore(self, checkpoint: dict[str, Any]) -> None:
-        """Continue from ``checkpoint`` (:func:`load_checkpoint`): server, clients,
-        metrics; the run directory's metrics and timing files are cut back to it. Tensors
-        go to this simulation's device (a run may resume on another one)."""
-        if checkpoint.get("format") != CHECKPOINT_FORMAT:
-            raise CheckpointError(f"checkpoint format {checkpoint.get('format')!r} is not {CHECKPOINT_FORMAT}; it was written by another contrafl version")
-        if checkpoint["fingerprint"] != self.fingerprint:
-            changed = differences(checkpoint["config"], self.cfg.to_dict())
-            raise CheckpointError(
-                "the checkpoint belongs to another configuration"
-                + (f" ({'; '.join(changed[:3])})" if changed else "")
-                + "; resume with the run directory's own config.yaml"
-            )
+    def restore(self, checkpoint: Any, path: Path) -> None:
+        """Continue from ``checkpoint``, read from ``path`` (:func:`load_checkpoint`), once
+        :func:`~contrafl.engine.checkpoint.check_checkpoint` has found it one of this
+        configuration and initial server model: server, clients, metrics; the run
+        directory's metrics and timing files are cut back to it. Tensors go to this
+        simulation's device (a run may resume on another one)."""
+        check_checkpoint(checkpoint, path, self.cfg, self.server.model)
         on_device = pytree.tree_map_only(torch.Tensor, lambda t: t.to(self.device), checkpoint)
         self.server = ServerState(on_device["server"]["model"], on_device["server"]["extras"])
         self.server_opt.load_state_dict(on_device["server_optimizer"])
-        self.store.restore(checkpoint["clients"])
+        self.store.restore(checkpoint["clients"], check_client_state)
         self.history = list(checkpoint["history"])
         self.comm_total = checkpoint["comm_total"]
         if self.privacy is not None:
-            self.privacy.load_state_dict(checkpoint.get("privacy", {}))
+            self.privacy.load_state_dict(checkpoint.get("privacy", {}), self.history, f"checkpoint {path}")
         self.rounds_done = self.checkpointed = int(checkpoint["round"])
         self.wall_time_before = float(checkpoint["wall_time_s"])
         if self.run_dir is not None:
@@ -468,9 +467,19 @@ class Simulation:
             return deadline
         return round(max(times, default=0.0), 6)
 
+    def sample(self, t: int) -> list[int]:
+        """Round ``t``'s clients: :attr:`schedule`'s, or with ``sampling=secret`` a draw
+        of the OS CSPRNG (:func:`~contrafl.engine.sampling.secret_sample`), made once per
+        round of this process and kept nowhere else."""
+        if self.cfg.sampling != "secret":
+            return self.schedule[t]
+        if t not in self._secret_samples:
+            self._secret_samples = {t: secret_sample(self.cfg.num_clients, self.cfg.sample_fraction)}
+        return self._secret_samples[t]
+
     def run_round(self, t: int) -> dict[str, Any]:
         cfg, algo = self.cfg, self.algorithm
-        sampled = self.schedule[t]
+        sampled = self.sample(t)
         broadcast = algo.broadcast(self.server, t)
         phases = algo.phases(t)
         down: dict[str, int] = {}
@@ -485,6 +494,7 @@ class Simulation:
             return message
 
         replies: list[Reply] = []
+        received: list[Reply] = []  # every reply that reached the server, valid or not
         rejected: dict[int, str] = {}
         lost: dict[int, str] = {}
         losses: dict[int, float] = {}
@@ -506,10 +516,14 @@ class Simulation:
                 times.append(outcome.time)
             if outcome.straggler is not None:
                 stragglers.append(outcome.straggler)
+            if outcome.rejected is not None:
+                rejected[cid] = self.reject(cid, outcome.rejected, t)
+                continue
             if outcome.reply is None:
                 lost[cid] = outcome.lost or "no reply"
                 continue
             reply = outcome.reply
+            received.append(reply)
             add_bytes(up, payload_bytes(reply.payload))
             if cid in own_messages:
                 spec = algo.reply_spec(own_messages[cid])
@@ -517,6 +531,8 @@ class Simulation:
                 broadcast_spec = broadcast_spec or algo.reply_spec(broadcast)
                 spec = broadcast_spec
             reason = check_reply(reply, spec) if reply.cid == cid else f"the reply names client {reply.cid!r}"
+            if reason is None and self.privacy is not None and self.privacy.mode == "local":
+                reason = self.privacy.check_local(reply, own_messages.get(cid, broadcast))
             if reason is None:
                 replies.append(reply)
             else:
@@ -530,13 +546,13 @@ class Simulation:
         replies.sort(key=lambda r: r.cid)
         for cid, reason in norm_outliers(replies, broadcast, cfg.update_outlier_factor, own_messages).items():
             rejected[cid] = self.reject(cid, reason, t)
-        sent = [r.cid for r in replies] + sorted(rejected)  # every reply that reached the server
         replies = [r for r in replies if r.cid not in rejected]
         privacy: dict[str, Any] = {}
-        if self.privacy is not None and self.privacy.mode == "central":
-            replies, privacy["dp_clipped"] = self.privacy.central(replies, {c: own_messages.get(c, broadcast) for c in sent}, t)
-        if self.privacy is not None:
-            privacy |= self.privacy.count([r.cid for r in replies] if self.privacy.mode == "central" else sent)
+        if self.privacy is not None:  # the releases are in the ledger before anything made from them leaves
+            messages = {r.cid: own_messages.get(r.cid, broadcast) for r in received}
+            if self.privacy.mode == "central":
+                replies, privacy["dp_clipped"] = self.privacy.central(replies, messages, t)
+            privacy |= self.privacy.record(t, replies if self.privacy.mode == "central" else received)
 
         if replies:
             old = self.server.model
@@ -563,6 +579,8 @@ class Simulation:
             row["stragglers"] = sorted(stragglers, key=lambda c: c["client"])
         if self.timed:
             row["round_time"] = self.round_time(times, bool(lost or stragglers))
+        if cfg.sampling == "secret":
+            row = without_clients(row)
         row.update(privacy)
         if (t + 1) % cfg.eval_every == 0 or t + 1 == cfg.rounds:
             row.update(self.evaluate(t + 1))
@@ -754,6 +772,19 @@ class Simulation:
         return summary
 
 
+def without_clients(row: dict[str, Any]) -> dict[str, Any]:
+    """A round's row that does not say which clients took part (``sampling=secret``): no
+    ``clients`` list, rejected and lost replies without their client, stragglers as
+    whether they replied (their speed and planned steps would name them)."""
+    out = {k: v for k, v in row.items() if k != "clients"}
+    for key in ("rejected", "lost"):
+        if key in out:
+            out[key] = [{"reason": item["reason"]} for item in out[key]]
+    if "stragglers" in out:
+        out["stragglers"] = [{"done": item["done"] > 0} for item in out["stragglers"]]
+    return out
+
+
 def trained_model(result: TrainResult) -> StateDict:
     """The model a client trained: its ``model`` role (parameters and buffers,
     :func:`~contrafl.algorithms.base.model_state`; the parameters alone where the role
@@ -780,7 +811,7 @@ def resume(setup: Setup, run_dir: RunDir, progress: Progress | None = None) -> S
     sim = Simulation(setup, run_dir, progress)
     checkpoint = load_checkpoint(run_dir.path)
     if checkpoint is not None:
-        sim.restore(checkpoint)
+        sim.restore(checkpoint, run_dir.checkpoint_path)
     else:
         run_dir.truncate(0, [])
     return sim
@@ -798,11 +829,14 @@ def read_only(setup: Setup, path: Path, checkpoint: dict[str, Any], clients: Ite
     path = Path(path)
     check_partition(setup, path, "analyse the run with the data it was trained on")
     sim = Simulation(setup)
-    manifest = checkpoint["clients"]
-    sim.restore({**checkpoint, "clients": {"files": {}, "serial": manifest["serial"]}})
-    files = {int(cid): str(name) for cid, name in manifest["files"].items()}
+    where = path / CHECKPOINT
+    check_checkpoint(checkpoint, where, setup.config, sim.server.model)  # with the manifest restore is not given
+    files = client_files(checkpoint["clients"], f"checkpoint {where}")
+    sim.restore({**checkpoint, "clients": {"files": {}, "serial": checkpoint["clients"]["serial"]}}, where)
     for cid in files if clients is None else [c for c in clients if c in files]:
-        sim.store.put(cid, load_safe(path / "client-state" / files[cid], f"client {cid}'s state", sim.device))
+        state = load_safe(path / "client-state" / files[cid], f"client {cid}'s state", sim.device)
+        check_client_state(state, path / "client-state" / files[cid], cid)
+        sim.store.put(cid, state)
     return sim
 
 

@@ -24,11 +24,46 @@ from ..algorithms.base import Reply, TensorSpec, dtype_name
 
 
 def check_reply(reply: Reply, spec: Mapping[str, Any]) -> str | None:
-    """Why ``reply`` cannot be aggregated, or None when it matches ``spec``."""
+    """Why ``reply`` cannot be aggregated, or None when it matches ``spec`` and its
+    per-label tables have a row per label (:func:`table_problem`)."""
     n = reply.num_samples
     if isinstance(n, bool) or not isinstance(n, int) or n < 0:
         return f"num_samples={n!r}, expected a non-negative integer"
-    return _check(reply.payload, spec, "")
+    reason = _check(reply.payload, spec, "")
+    return reason if reason is not None else next(filter(None, map(table_problem, label_tables(reply.payload))), None)
+
+
+def table_problem(table: Mapping[str, Any]) -> str | None:
+    """Why a per-label table's rows do not match its marks: ``reps`` has one row per label
+    (``len(counts)`` or ``len(mask)``) or, with a ``mask``, one per marked label."""
+    rows = len(table["reps"])
+    marks = table["counts"] if isinstance(table.get("counts"), torch.Tensor) else table["mask"]
+    allowed = {len(marks)} | ({int((marks > 0).sum())} if "mask" in table else set())
+    if rows not in allowed:
+        return f"a per-label table has {rows} rows for {len(marks)} labels ({int((marks > 0).sum())} marked)"
+    return None
+
+
+def is_label_table(value: Any) -> bool:
+    """A per-label table of a reply (:mod:`contrafl.algorithms.prototypes`): a mapping with
+    ``reps`` (float ``[C, d]``) and ``counts`` (integer ``[C]``, FedCRL, FedProto, FedPAC,
+    FedGH), or ``reps`` with a ``mask`` (bool ``[C]``) whose rows are either every label's
+    or only the marked labels' (FedSSC's compact ``[m, d]``)."""
+    if not isinstance(value, Mapping) or not isinstance(value.get("reps"), torch.Tensor) or value["reps"].dim() != 2:
+        return False
+    marks = [value.get(k) for k in ("counts", "mask")]
+    return any(isinstance(m, torch.Tensor) and m.dim() == 1 and not m.is_floating_point() for m in marks)
+
+
+def label_tables(payload: Any) -> list[Mapping[str, Any]]:
+    """The per-label tables of ``payload`` (:func:`is_label_table`)."""
+    if is_label_table(payload):
+        return [payload]
+    if isinstance(payload, Mapping):
+        return [t for v in payload.values() for t in label_tables(v)]
+    if isinstance(payload, (list, tuple)):
+        return [t for v in payload for t in label_tables(v)]
+    return []
 
 
 def _check(value: Any, spec: Any, path: str) -> str | None:
@@ -74,7 +109,8 @@ def _check(value: Any, spec: Any, path: str) -> str | None:
 
 def update_norm(payload: Mapping[str, Any], message: Mapping[str, Any]) -> float:
     """``sqrt(sum_p ||payload[p] - message[p]||^2)`` over the floating-point tensors of the
-    payload, with ``message[p] = 0`` where the broadcast has no tensor of that name."""
+    payload (in mappings, lists and tuples), with ``message[p] = 0`` where the broadcast
+    has no tensor of that position and shape."""
     total = 0.0
 
     def walk(value: Any, ref: Any) -> None:
@@ -88,6 +124,10 @@ def update_norm(payload: Mapping[str, Any], message: Mapping[str, Any]) -> float
         elif isinstance(value, Mapping):
             for k, v in value.items():
                 walk(v, ref.get(k) if isinstance(ref, Mapping) else None)
+        elif isinstance(value, (list, tuple)):
+            refs = ref if isinstance(ref, (list, tuple)) and len(ref) == len(value) else [None] * len(value)
+            for v, r in zip(value, refs):
+                walk(v, r)
 
     walk(payload, message)
     return math.sqrt(total)

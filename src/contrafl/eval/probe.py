@@ -34,7 +34,8 @@ from typing import Any
 import torch
 
 from ..data import augment
-from ..engine.run_dir import to_json
+from ..engine.checkpoint import check_checkpoint
+from ..engine.run_dir import CHECKPOINT, to_json
 from ..errors import ContraflError
 from .representation import bank_and_queries, extract_features, finetune, knn_accuracy, linear_probe, singular_spectrum
 
@@ -67,6 +68,7 @@ def _load(run_dir: Path, device: str) -> _Loaded:
     if checkpoint is None:
         raise ContraflError(f"{run_dir} has no checkpoint yet; evaluate it after its first round")
     setup = prepare(load_config(run_dir / "config.yaml", [f"device={device}"]))
+    check_checkpoint(checkpoint, run_dir / CHECKPOINT, setup.config, setup.model.state_dict())
     dev = setup.device
     data = [t.to(dev) for t in bank_and_queries(setup.data.train, setup.data.test, setup.partition)]
     state = {k: v.to(dev) for k, v in checkpoint["server"]["model"].items()}

@@ -26,19 +26,22 @@ abandoned and are removed.
 from __future__ import annotations
 
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from ..algorithms.base import Reply
 from ..config import load_config
 from ..data.partition import Partition
 from ..engine.checkpoint import load_safe, save_atomic
 from ..engine.setup import own_rows, prepare
 from ..engine.simulation import Scores, Simulation
+from ..engine.validate import check_reply
 from ..errors import ContraflError
 from .codec import decode, encode
-from .node import NodeSettings
+from .node import REPRODUCIBLE_WARNING, NodeSettings, reproducible_noise
 from flwr.app import MessageType, RecordDict
 
 STATE_DIR = "flower-clients"
@@ -59,6 +62,8 @@ class FlowerClient:
         if not 0 <= cid < cfg.num_clients:
             raise ContraflError(f"partition-id={cid} is not a client of the run (0..{cfg.num_clients - 1}); set the SuperNode's --node-config partition-id")
         self.cid = cid
+        if reproducible_noise(cfg):
+            print(f"contrafl: warning: client {cid}: {REPRODUCIBLE_WARNING}", file=sys.stderr, flush=True)
         self.sim = Simulation(own_rows(prepare(cfg, Partition.load(self.run_dir / "partition.json")), cid))
         self.state_dir = Path(state_dir or self.run_dir / STATE_DIR) / f"client-{cid}"
 
@@ -81,8 +86,19 @@ class FlowerClient:
             raise ContraflError(f"a message for client {request['client']} reached the SuperNode of partition {self.cid}")
         t, message = int(request["round"]), request["message"]
         if kind == MessageType.TRAIN:
-            return encode(self.train(t, message, int(request["checkpointed"])))
+            tree = self.train(t, message, int(request["checkpointed"]))
+            return encode(self.checked(message, tree) if request.get("secure", False) else tree)
         return encode(self.evaluate(t, message) or {})
+
+    def checked(self, message: dict[str, Any], tree: dict[str, Any]) -> dict[str, Any]:
+        """A reply ``tree`` of :meth:`train` bound for a secure sum, checked here as the
+        server checks a plain reply (:func:`~contrafl.engine.validate.check_reply`
+        against the algorithm's ``reply_spec`` of ``message``), since the sum would hide
+        it from the server: the tree when it passes, else only why not
+        (``{"rejected": reason}``), so that the update enters no sum."""
+        reply = Reply(self.cid, tree["num_samples"], tree["payload"])
+        reason = check_reply(reply, self.sim.algorithm.reply_spec(message))
+        return tree if reason is None else {"rejected": reason}
 
     def states(self) -> dict[int, Path]:
         """``{round: file}`` of the client's saved states."""

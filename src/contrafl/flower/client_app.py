@@ -9,8 +9,11 @@ client's data and its model loaded between messages, or, with the node config
 ``worker=false``, answers in this process.
 
 With the run config ``secure-aggregation=true`` a train message comes as a SecAgg+
-``FitIns`` (Flower's ``secaggplus_mod`` handles the protocol's other stages), and the
-reply goes back as the ``FitRes`` it masks (:mod:`contrafl.flower.secagg`).
+``FitIns`` (Flower's ``secaggplus_mod`` handles the protocol's other stages, within
+contrafl's rules: :func:`~contrafl.flower.secagg.secure_mod`), and the reply goes back as
+the ``FitRes`` it masks (:mod:`contrafl.flower.secagg`), or, when the client's own check
+rejected its update, as an error reply of code
+:data:`~contrafl.flower.secagg.REJECTED` with the reason.
 
 A node config that does not fit the run (no ``partition-id``, one that is not a client
 of the run, a ``run-dir`` without the run's files) is reported as one line, in the
@@ -21,13 +24,15 @@ evaluate message (:data:`~contrafl.flower.node.USER_ERROR`).
 
 from __future__ import annotations
 
+import sys
+
 from .node import USER_ERROR, NodeSettings, info_record, number, reported  # first: a clear error when flwr is missing
 from flwr.app import Context, Error, Message
 from flwr.clientapp import ClientApp
 
 from ..errors import ConfigError, ContraflError
 from . import worker
-from .secagg import is_secure_request, reply_fitres, secure_mod, unwrap_request
+from .secagg import REJECTED, UpdateRejected, is_secure_request, reply_fitres, secure_mod, unwrap_request
 
 app = ClientApp(mods=[secure_mod])
 
@@ -47,6 +52,9 @@ def serve(msg: Message, context: Context) -> Message:
 
             content = FlowerClient.of(settings).answer(msg.metadata.message_type, request)
         return Message(content if rounding_seed is None else reply_fitres(content, rounding_seed), reply_to=msg)
+    except UpdateRejected as exc:
+        print(f"contrafl: this client's update is rejected before masking and enters no secure sum: {exc}", file=sys.stderr, flush=True)
+        return Message(Error(REJECTED, str(exc)), reply_to=msg)
     except ContraflError as exc:
         return Message(Error(USER_ERROR, reported(exc)), reply_to=msg)
 

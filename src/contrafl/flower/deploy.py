@@ -59,22 +59,29 @@ def run_config(
 
 
 def check_settings(cfg: Config, round_timeout: float, min_replies: int, secure_aggregation: bool = False) -> None:
-    """:class:`ConfigError` unless ``round_timeout`` and ``min_replies`` fit ``cfg``, and
-    unless its algorithm and settings can take ``secure_aggregation``."""
+    """:class:`ConfigError` unless ``round_timeout`` and ``min_replies`` fit ``cfg``, its
+    DP noise (if any) is secret, and its algorithm and settings can take
+    ``secure_aggregation``."""
     if not 0 < round_timeout:
         raise ConfigError(f"round_timeout={round_timeout:g} must be positive (seconds a round waits for replies)")
+    if cfg.dp.name != "none" and cfg.dp.options.get("noise") == "reproducible":
+        raise ConfigError(
+            "dp.noise=reproducible derives the noise from config.yaml's seed, which the server and every SuperNode hold, "
+            "so it protects nothing in a deployment; leave dp.noise unset (secret: each party draws it from its OS's CSPRNG)"
+        )
     if not 0 <= min_replies <= cfg.num_clients:
         raise ConfigError(f"min_replies={min_replies} must be between 0 and num_clients={cfg.num_clients}")
     if secure_aggregation:
         from ..algorithms import ALGORITHMS
-        from .secagg import refusal
+        from .secagg import refusal, round_refusal
 
         algo_cls = ALGORITHMS.get(cfg.algorithm.name)
         why = refusal(algo_cls, P.build(algo_cls.Params, cfg.algorithm.options, "algorithm"), cfg)
         if why is not None:
             raise ConfigError(f"secure aggregation shows the server only the mean of the updates, but {why}; deploy without --secure-aggregation")
-        if clients_per_round(cfg.num_clients, cfg.sample_fraction) < 2:
-            raise ConfigError("secure aggregation (SecAgg+) needs at least 2 clients per round; sample more clients or deploy without --secure-aggregation")
+        why = round_refusal(clients_per_round(cfg.num_clients, cfg.sample_fraction), min_replies)
+        if why is not None:
+            raise ConfigError(f"secure aggregation (SecAgg+): {why}, or deploy without --secure-aggregation")
 
 
 def check_hosts(server_hosts: Sequence[str], tls: bool) -> None:

@@ -126,6 +126,18 @@ class NodeSettings:
         return cls(**values)
 
 
+REPRODUCIBLE_WARNING = (
+    "dp.noise=reproducible: the DP noise comes from config.yaml's seed, which the server and every SuperNode hold, "
+    "so it protects nothing against them (for comparing a deployment with the simulator only)"
+)
+
+
+def reproducible_noise(cfg: Any) -> bool:
+    """Whether run config ``cfg`` draws its DP noise from its seed (``dp.noise=reproducible``),
+    which the ServerApp and every client say in their logs."""
+    return cfg.dp.name != "none" and cfg.dp.options.get("noise") == "reproducible"
+
+
 def reported(exc: ContraflError) -> str:
     """``exc``'s message, also written to the SuperNode's log (one line)."""
     print(f"contrafl: {exc}", file=sys.stderr, flush=True)

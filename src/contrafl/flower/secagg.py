@@ -12,31 +12,66 @@ third, calls the ClientApp and masks the float arrays of its ``FitRes``.
 contrafl fits its round into that flow:
 
 - the server wraps each client's train message (the request :class:`GridTransport`
-  would send, :mod:`contrafl.flower.wire`-packed) into a ``FitIns`` config value,
-  with the seed of the client's stochastic rounding (:func:`request_fitins`);
-- the client's ClientApp answers as for a plain train message and splits its reply
-  (:func:`reply_fitres`): the payload's float arrays go to SecAgg+ as the ``FitRes``
-  parameters, weighted by the reply's ``num_samples``; everything else (the structure,
-  integer tensors, the loss and steps, the straggler record) travels as a packed
-  metric, in the clear;
-- the server rebuilds each client's reply with the mean in place of its own float
-  arrays (:func:`outcome_from`): the algorithm's sample-weighted average of equal
-  payloads is that mean, so ``aggregate`` gives the plain deployment's model up to the
-  protocol's quantisation (each value clipped to +-``CLIPPING_RANGE``, rounded
-  stochastically to ``2 * CLIPPING_RANGE / QUANTIZATION_RANGE``).
+  would send, :mod:`contrafl.flower.wire`-packed, marked ``secure``) into a ``FitIns``
+  config value, with the seed of the client's stochastic rounding and the round's
+  participants, ``{node id: client id}`` (:func:`request_fitins`);
+- the client checks its reply before anything is masked, as the server checks a plain
+  one (:meth:`contrafl.flower.client.FlowerClient.checked`): a masked sum would hide a
+  bad update (a NaN becomes a finite mean of garbage) from the server's own check. A
+  reply that fails enters no sum: the client answers the collect stage with an error
+  reply of code :data:`REJECTED` and the reason, and SecAgg+ unmasks the others' mean
+  as for a client that dropped out; the server records the update as rejected, as a
+  plain reply that failed validation (the run stops, or leaves it out);
+- otherwise the ClientApp splits its reply (:func:`reply_fitres`): every
+  floating-point tensor of the payload, by the dtype the reply's tree names (float16,
+  bfloat16, float32, float64, the float8 types; the codec carries bfloat16 and float8 as
+  integers), goes to SecAgg+ cast to float32, as the ``FitRes`` parameters weighted by
+  the reply's ``num_samples``; the structure, integer and bool tensors, the loss and
+  steps travel as a packed metric, in the clear. A payload tensor of any other dtype
+  (complex) is refused with one line;
+- the server rebuilds each client's reply with the mean in place of its floating-point
+  tensors, each cast back to its own dtype (:func:`outcome_tree`): the algorithm's
+  sample-weighted average of equal payloads is that mean, so ``aggregate`` gives the
+  plain deployment's model up to the protocol's quantisation (each value clipped to
+  +-``CLIPPING_RANGE``, rounded stochastically to ``2 * CLIPPING_RANGE /
+  QUANTIZATION_RANGE``) and the rounding to the tensor's dtype.
 
 The stochastic rounding draws from numpy's global generator, which the client seeds
 from ``(seed, "secagg", round, client)`` before the mod quantises: the masks cancel
 exactly, so a run is reproducible. Algorithms whose server needs more than this
 weighted mean refuse (:func:`refusal`).
+
+**At least 3 clients** (:data:`MIN_CLIENTS`). flwr 1.41's SecAgg+ draws every mask from
+a Mersenne Twister seeded with 32 bits (``pseudo_rand_gen`` XORs the key down to 32
+bits; flwrlabs/flower#7522), and the server learns each active client's private-mask
+seed when it unmasks. In a sum of 2 clients, each one's vector is then its update plus
+one pairwise mask of a 32-bit seed: the server recovers the update in about 2^32 tries.
+So no sum holds fewer than 3 updates: ``contrafl deploy`` refuses a run that samples
+fewer clients per round or whose ``min_replies`` lets a round end with fewer
+(:func:`round_refusal`; the ServerApp refuses such a ``min_replies`` when it starts), the
+server starts no round with fewer clients or nodes, and each client's mod (:func:`secure_mod`) sends its masked vector only into a sum of at least 3
+clients and its key shares only when at least 3 clients' vectors are in the sum (a
+curious server could otherwise end the protocol with 2). A client that rejected its own
+update sends no vector, so it never counts as one of the 3. The rule can go with a flwr
+whose mask generator takes the whole seed.
+
+**One sum per round.** A server that restarts trains the rounds after its checkpoint
+again. Two sums of one round over different clients give it their difference, a single
+update when the sets differ by one client. So each client keeps a ledger
+(:func:`check_ledger`) of the clients whose vectors were in each round's sum it
+unmasked, written before it sends its key shares, and refuses to unmask that round
+over another set; the same set again (the round a resumed server was in when it died)
+is allowed.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import os
 import random
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -44,10 +79,13 @@ import numpy as np
 from . import require_flwr
 
 require_flwr()
-from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict  # noqa: E402
+from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MessageType, RecordDict  # noqa: E402
 from flwr.common import Code, FitIns, FitRes, Parameters, Status, ndarrays_to_parameters, parameters_to_ndarrays  # noqa: E402
+from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key, Stage  # noqa: E402
 from flwr.compat.common import recorddict_compat as compat  # noqa: E402
 
+from ..errors import ClientUpdateError, ContraflError  # noqa: E402
+from .node import USER_ERROR, NodeSettings, reported  # noqa: E402
 from .wire import pack, unpack  # noqa: E402
 
 #: Every float value a client sends is clipped to +-CLIPPING_RANGE (SecAgg+'s default is 8).
@@ -57,11 +95,28 @@ QUANTIZATION_RANGE = 2**22
 #: The share of a client's key shares that rebuild it: up to a third of the round's clients
 #: may drop out during the protocol and the others' mean is still unmasked.
 RECONSTRUCTION = 2 / 3
+#: The fewest clients whose updates a secure sum may hold (see the module docstring).
+MIN_CLIENTS = 3
+REJECTED = 101
+"""The code of a client's error reply to SecAgg+'s collect stage when its own update
+failed the server's validation before masking; its reason is the validation's one line
+(:data:`~contrafl.flower.node.USER_ERROR` is 100, Flower's own codes are below)."""
+WHY_THREE = (
+    "flwr 1.41's SecAgg+ seeds its masks with 32 bits, so the server can recover each update "
+    f"of a sum of fewer than {MIN_CLIENTS} clients (flwrlabs/flower#7522)"
+)
+LEDGER = "secagg-ledger.json"
 REQUEST = "contrafl-request"
 ROUNDING_SEED = "contrafl-rounding-seed"
+PARTICIPANTS = "contrafl-participants"
 REST = "contrafl-rest"
 SECURE = "contrafl-secure"
-_FLOATS = ("float16", "float32", "float64")
+#: What a client's mod keeps of the collect stage for the unmask stage (in its context's state).
+ROUND_STATE = "contrafl-secagg-round"
+#: Payload dtypes (as the reply's tree names them) that travel in the clear.
+_CLEAR = ("bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64")
+#: Floating-point dtypes numpy has (the others travel as integers of their width).
+_NUMPY_FLOATS = ("float16", "float32", "float64")
 
 
 def refusal(algo_cls: type, algo_params: Any, cfg: Any) -> str | None:
@@ -78,6 +133,19 @@ def refusal(algo_cls: type, algo_params: Any, cfg: Any) -> str | None:
     return None
 
 
+def round_refusal(per_round: int, min_replies: int) -> str | None:
+    """Why rounds of ``per_round`` clients that need ``min_replies`` replies cannot be
+    secure, or None: every secure sum must hold at least :data:`MIN_CLIENTS` updates."""
+    if per_round < MIN_CLIENTS:
+        return f"a round of {per_round} client{'' if per_round == 1 else 's'} is fewer than the {MIN_CLIENTS} a secure sum needs: {WHY_THREE}; sample more clients per round"
+    if min_replies < MIN_CLIENTS:
+        return (
+            f"min_replies={min_replies} lets a round end with fewer than the {MIN_CLIENTS} updates a secure sum needs: {WHY_THREE}; "
+            f"set min_replies to {MIN_CLIENTS} or more (contrafl deploy --min-replies)"
+        )
+    return None
+
+
 # -- client ----------------------------------------------------------------------------------
 def is_secure_request(content: RecordDict) -> bool:
     """Whether a train message's content is a SecAgg+ collect stage's ``FitIns`` made by
@@ -91,72 +159,248 @@ def unwrap_request(content: RecordDict) -> tuple[RecordDict, int]:
     return unpack(bytes(config[REQUEST])), int(config[ROUNDING_SEED])
 
 
+class UpdateRejected(ClientUpdateError):
+    """A client's own update that failed the server's validation before masking (the
+    message is the validation's reason): it enters no secure sum."""
+
+
+def tree_nodes(record: RecordDict) -> dict[str, Any]:
+    """``{key: JSON node}`` of the root of a :mod:`~contrafl.flower.codec` tree (read
+    without torch)."""
+    return dict(json.loads(str(record["tree"]["json"]))["dict"])
+
+
+def tensor_dtypes(node: dict[str, Any]) -> dict[str, str]:
+    """``{array name: dtype}`` of the tensors under the codec tree's JSON ``node``."""
+    if "tensor" in node:
+        return {node["tensor"]: node["dtype"]}
+    subs = [sub for _, sub in node["dict"]] if "dict" in node else node.get("list", node.get("tuple", []))
+    return {name: dtype for sub in subs for name, dtype in tensor_dtypes(sub).items()}
+
+
+def is_masked(name: str, dtype: str) -> bool:
+    """Whether payload tensor ``name`` of the tree's ``dtype`` goes to SecAgg+ (a
+    floating-point dtype: float16, bfloat16, float32, float64, a float8 type) or travels
+    in the clear (an integer or bool dtype). :class:`ContraflError` for any other dtype
+    (complex), which SecAgg+ can carry neither way."""
+    if dtype in _NUMPY_FLOATS or dtype == "bfloat16" or dtype.startswith("float8_"):
+        return True
+    if dtype in _CLEAR:
+        return False
+    raise ContraflError(
+        f"payload tensor {name!r} has dtype {dtype}, which secure aggregation cannot carry (SecAgg+ masks real "
+        "floating-point tensors and carries integer ones in the clear); deploy without --secure-aggregation"
+    )
+
+
+def as_float32(array: Array, dtype: str) -> np.ndarray:
+    """A floating-point tensor of the tree's ``dtype`` (the codec's ``array``) in float32."""
+    values = array.numpy()
+    if dtype in _NUMPY_FLOATS:
+        return values.astype(np.float32)
+    import torch  # bfloat16 and the float8 types travel as integers of their width
+
+    return torch.from_numpy(values).view(getattr(torch, dtype)).float().numpy()
+
+
+def as_dtype(values: np.ndarray, dtype: str) -> np.ndarray:
+    """``values`` rounded to the tree's floating-point ``dtype``, as the codec carries it
+    (bfloat16 and the float8 types as the integers of their width)."""
+    if dtype in _NUMPY_FLOATS:
+        return np.ascontiguousarray(values.astype(dtype))
+    import torch
+
+    from .codec import _SAME_WIDTH
+
+    cast = torch.from_numpy(np.ascontiguousarray(values)).to(getattr(torch, dtype))
+    return cast.view(_SAME_WIDTH[cast.element_size()]).numpy()
+
+
 def reply_fitres(reply: RecordDict, rounding_seed: int) -> RecordDict:
-    """A client's plain train reply as the ``FitRes`` SecAgg+ masks: the payload's float
-    arrays as parameters (weight: the reply's ``num_samples``), the rest packed in the
-    metrics. Seeds numpy's global generator for the mod's stochastic rounding."""
+    """A client's plain train reply as the ``FitRes`` SecAgg+ masks: every floating-point
+    tensor of the payload (:func:`is_masked`), cast to float32, as parameters (weight:
+    the reply's ``num_samples``); the rest packed in the metrics, with the masked
+    tensors' own dtypes. Raises :class:`UpdateRejected` for a reply the client rejected
+    (:meth:`~contrafl.flower.client.FlowerClient.checked`). Seeds numpy's global
+    generator for the mod's stochastic rounding."""
+    top = tree_nodes(reply)
+    if "rejected" in top:
+        raise UpdateRejected(str(top["rejected"]["value"]))
     arrays = reply["arrays"]
-    secure = [name for name, a in arrays.items() if name.startswith("payload/") and a.dtype in _FLOATS]
+    dtypes = tensor_dtypes(top["payload"])
+    secure = [name for name in arrays if name in dtypes and is_masked(name, dtypes[name])]
     rest = RecordDict({
         "arrays": ArrayRecord({name: a for name, a in arrays.items() if name not in secure}, keep_input=False),
         "tree": reply["tree"],
     })
-    tree = json.loads(str(reply["tree"]["json"]))
-    num_samples = next(node["value"] for key, node in tree["dict"] if key == "num_samples")
     fitres = FitRes(
         Status(Code.OK, ""),
-        ndarrays_to_parameters([arrays[name].numpy() for name in secure]),
-        int(num_samples),
-        {REST: pack(rest), SECURE: json.dumps([[name, arrays[name].dtype] for name in secure])},
+        ndarrays_to_parameters([as_float32(arrays[name], dtypes[name]) for name in secure]),
+        int(top["num_samples"]["value"]),
+        {REST: pack(rest), SECURE: json.dumps([[name, dtypes[name]] for name in secure])},
     )
     np.random.seed(rounding_seed % 2**32)
     return compat.fitres_to_recorddict(fitres, keep_input=True)
 
 
+class _ErrorReply(Exception):
+    """The ClientApp's error reply, carried through Flower's ``secaggplus_mod`` (which
+    reads a reply's content)."""
+
+    def __init__(self, error: Error) -> None:
+        super().__init__(error.reason)
+        self.error = error
+
+
 def secure_mod(msg: Message, context: Any, call_next: Callable) -> Message:
     """A ClientApp mod: Flower's ``secaggplus_mod`` for the messages of a SecAgg+
-    workflow, the others straight through."""
-    from flwr.app import MessageType
+    workflow, the others straight through. The client sends its masked vector and its
+    key shares only as :func:`collect_refusal` and :func:`unmask_refusal` allow, and
+    otherwise answers with a one-line error; the ClientApp's own error reply (a user
+    error, a rejected update) is the mod's reply."""
     from flwr.client.mod import secaggplus_mod
-    from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
 
-    if msg.metadata.message_type == MessageType.TRAIN and RECORD_KEY_CONFIGS in msg.content.config_records:
-        return secaggplus_mod(msg, context, call_next)
-    return call_next(msg, context)
+    if msg.metadata.message_type != MessageType.TRAIN or RECORD_KEY_CONFIGS not in msg.content.config_records:
+        return call_next(msg, context)
+
+    def relay(message: Message, ctx: Any) -> Message:
+        reply = call_next(message, ctx)
+        if reply.has_error():
+            raise _ErrorReply(reply.error)
+        return reply
+
+    stage = msg.content.config_records[RECORD_KEY_CONFIGS].get(Key.STAGE)
+    try:
+        if stage == Stage.SETUP:  # a new protocol run: nothing of an earlier one's collect stage holds
+            context.state.config_records.pop(ROUND_STATE, None)
+        elif stage == Stage.COLLECT_MASKED_VECTORS:
+            collect_refusal(msg, context)
+        elif stage == Stage.UNMASK:
+            unmask_refusal(msg, context)
+        return secaggplus_mod(msg, context, relay)
+    except _ErrorReply as exc:
+        return Message(exc.error, reply_to=msg)
+    except ContraflError as exc:
+        return Message(Error(USER_ERROR, reported(exc)), reply_to=msg)
+
+
+def collect_refusal(msg: Message, context: Any) -> None:
+    """:class:`ContraflError` unless the client may send its masked vector in the
+    collect stage ``msg``: into a sum of at least :data:`MIN_CLIENTS` clients (those
+    whose key shares it received, and itself). Keeps the round and its participants
+    (``{node id: client id}``, from the server's ``FitIns``) in the context's state for
+    the unmask stage."""
+    request, _ = unwrap_request(msg.content)
+    t = int(tree_nodes(request)["round"]["value"]) + 1
+    clients = len(msg.content.config_records[RECORD_KEY_CONFIGS][Key.SOURCE_LIST]) + 1
+    if clients < MIN_CLIENTS:
+        raise ContraflError(f"round {t}: SecAgg+ asks for this client's masked update in a sum of {clients} clients; it sends it only into one of {MIN_CLIENTS} or more: {WHY_THREE}")
+    participants = str(msg.content.config_records["fitins.config"][PARTICIPANTS])
+    context.state.config_records[ROUND_STATE] = ConfigRecord({"round": t, "participants": participants})
+
+
+def unmask_refusal(msg: Message, context: Any) -> None:
+    """:class:`ContraflError` unless the client may send its key shares in the unmask
+    stage ``msg``: for a sum of at least :data:`MIN_CLIENTS` clients (its active nodes),
+    all of them participants of the round it sent its vector in, over the clients its
+    ledger allows for the round (:func:`check_ledger`)."""
+    active = list(msg.content.config_records[RECORD_KEY_CONFIGS][Key.ACTIVE_NODE_ID_LIST])
+    state = context.state.config_records.get(ROUND_STATE)
+    if state is None:
+        raise ContraflError("SecAgg+ asks this client to unmask a round it sent no masked update in (did its SuperNode restart?); it sends no key shares")
+    t = int(state["round"])
+    if len(active) < MIN_CLIENTS:
+        raise ContraflError(f"round {t}: SecAgg+ asks this client to unmask a sum of {len(active)} clients; it unmasks only one of {MIN_CLIENTS} or more: {WHY_THREE}")
+    client_of = {int(node): int(cid) for node, cid in json.loads(str(state["participants"])).items()}
+    unknown = sorted(node for node in active if node not in client_of)
+    if unknown:
+        raise ContraflError(f"round {t}: SecAgg+ asks this client to unmask a sum with node {unknown[0]}, which is not among the round's participants (nodes {sorted(client_of)}); it sends no key shares")
+    check_ledger(ledger_file(NodeSettings.of(context)), t, sorted(client_of[node] for node in active))
+
+
+def ledger_file(settings: NodeSettings) -> Path:
+    """The client's ledger of secure sums: ``secagg-ledger.json`` in its state folder,
+    ``client-<cid>/`` in the node config's ``state-dir`` (default
+    ``<run-dir>/flower-clients``, as :class:`~contrafl.flower.client.FlowerClient`'s)."""
+    return Path(settings.state_dir or Path(settings.run_dir) / "flower-clients") / f"client-{settings.partition_id}" / LEDGER
+
+
+def check_ledger(path: Path, t: int, clients: list[int]) -> None:
+    """Let the client unmask round ``t``'s sum over ``clients`` (sorted ids), or raise
+    :class:`ContraflError`: a client unmasks each round over one set of clients only,
+    which its ledger at ``path`` (JSON ``{round: clients}``) records, atomically, before
+    it sends its key shares. The same set again is allowed."""
+    try:
+        ledger = json.loads(path.read_text()) if path.exists() else {}
+    except (OSError, ValueError) as exc:
+        raise ContraflError(f"{path}: cannot read this client's ledger of secure sums ({exc}); restore it (deleting it lets the server unmask the rounds again)") from None
+    before = ledger.get(str(t))
+    if before is None:
+        _write_durably(path, json.dumps({**ledger, str(t): clients}))
+    elif before != clients:
+        raise ContraflError(
+            f"round {t}: SecAgg+ asks this client to unmask a sum over clients {clients}, but it unmasked one over clients {before} "
+            f"in this round already ({path}), and the two sums would give the server their difference; "
+            "resume the run when the same clients can finish the round"
+        )
+
+
+def _write_durably(path: Path, text: str) -> None:
+    """Replace ``path`` with ``text`` so that a reader sees the old file or the new one
+    and a crash loses neither: a temporary file, fsync, rename, fsync of the folder (as
+    :func:`contrafl.engine.run_dir.write_atomic`, which the ClientApp does not import)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    folder = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(folder)
+    finally:
+        os.close(folder)
 
 
 # -- server ----------------------------------------------------------------------------------
-def request_fitins(request: RecordDict, rounding_seed: int) -> FitIns:
-    """The ``FitIns`` carrying a client's train request (see the module docstring)."""
-    return FitIns(Parameters([], ""), {REQUEST: pack(request), ROUNDING_SEED: rounding_seed})
+def request_fitins(request: RecordDict, rounding_seed: int, participants: dict[int, int]) -> FitIns:
+    """The ``FitIns`` carrying a client's train request, with the seed of its rounding and
+    the round's ``participants`` (``{node id: client id}``; see the module docstring)."""
+    return FitIns(Parameters([], ""), {
+        REQUEST: pack(request), ROUNDING_SEED: rounding_seed, PARTICIPANTS: json.dumps({str(n): c for n, c in participants.items()}),
+    })
 
 
 def outcome_tree(fitres: FitRes) -> RecordDict:
     """A client's reply rebuilt from its ``FitRes`` after unmasking: its own structure and
-    clear entries, with the mean in place of its float arrays (cast back to their dtypes)."""
+    clear entries, with the mean in place of its floating-point tensors, each rounded to
+    its own dtype (:func:`as_dtype`)."""
     rest = unpack(bytes(fitres.metrics[REST]))
     names = json.loads(str(fitres.metrics[SECURE]))
     mean = parameters_to_ndarrays(fitres.parameters)
     arrays = dict(rest["arrays"].items())
-    arrays.update({name: Array(np.ascontiguousarray(m.astype(dtype))) for (name, dtype), m in zip(names, mean, strict=True)})
+    arrays.update({name: Array(as_dtype(m, dtype)) for (name, dtype), m in zip(names, mean, strict=True)})
     return RecordDict({"arrays": ArrayRecord(arrays, keep_input=False), "tree": rest["tree"]})
 
 
 class SecureRound:
     """One round of SecAgg+ over ``grid`` for the nodes ``node_of`` of contrafl's clients,
     with ``fitins`` for each client: the unmasked replies ``{cid: RecordDict}`` (empty
-    when the protocol could not finish: fewer than its threshold of clients answered)."""
+    when the protocol could not finish: fewer than its threshold of clients answered),
+    and the error replies ``{cid: Message}`` of the clients that sent one."""
 
     def __init__(self, grid: Any, context: Any, timeout: float, max_weight: float) -> None:
         self.grid, self.context, self.timeout, self.max_weight = grid, context, timeout, max_weight
 
-    def run(self, t: int, node_of: dict[int, int], fitins: dict[int, FitIns]) -> tuple[dict[int, RecordDict], list[str]]:
-        results, failures = self.exchange(t, node_of, fitins)
-        return {cid: outcome_tree(fitres) for cid, fitres in results.items()}, failures
+    def run(self, t: int, node_of: dict[int, int], fitins: dict[int, FitIns]) -> tuple[dict[int, RecordDict], dict[int, Message]]:
+        results, errors = self.exchange(t, node_of, fitins)
+        return {cid: outcome_tree(fitres) for cid, fitres in results.items()}, errors
 
-    def exchange(self, t: int, node_of: dict[int, int], fitins: dict[int, FitIns]) -> tuple[dict[int, FitRes], list[str]]:
+    def exchange(self, t: int, node_of: dict[int, int], fitins: dict[int, FitIns]) -> tuple[dict[int, FitRes], dict[int, Message]]:
         """The protocol itself: each client's ``FitRes`` with the unmasked weighted mean
-        as its parameters (none when it could not finish), and the failures."""
+        as its parameters (none when it could not finish), and the clients' error
+        replies (the last of each)."""
         from flwr.server import ServerConfig
         from flwr.server.client_manager import SimpleClientManager
         from flwr.server.compat.grid_client_proxy import GridClientProxy
@@ -164,7 +408,8 @@ class SecureRound:
         from flwr.server.workflow.constant import MAIN_CONFIGS_RECORD, MAIN_PARAMS_RECORD, Key
 
         cid_of = {node: cid for cid, node in node_of.items()}
-        proxies = {node: GridClientProxy(node, self.grid, self.context.run_id) for node in cid_of}
+        grid = _ErrorsSeen(self.grid)
+        proxies = {node: GridClientProxy(node, grid, self.context.run_id) for node in cid_of}
         strategy = _OneRound([(proxies[node_of[cid]], fitins[cid]) for cid in sorted(fitins)])
         manager = SimpleClientManager()
         for proxy in proxies.values():
@@ -179,10 +424,28 @@ class SecureRound:
         state = random.getstate()
         try:
             random.seed(t)  # the workflow shuffles the nodes with Python's generator
-            workflow(self.grid, legacy)
+            workflow(grid, legacy)
         finally:
             random.setstate(state)
-        return {cid_of[proxy.node_id]: fitres for proxy, fitres in strategy.results}, [str(f) for f in strategy.failures]
+        results = {cid_of[proxy.node_id]: fitres for proxy, fitres in strategy.results}
+        return results, {cid_of[node]: reply for node, reply in grid.errors.items() if node in cid_of}
+
+
+class _ErrorsSeen:
+    """``grid`` whose ``send_and_receive`` keeps the last error reply of each node
+    (``errors``): Flower's workflow keeps the errors without their node."""
+
+    def __init__(self, grid: Any) -> None:
+        self.grid = grid
+        self.errors: dict[int, Message] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.grid, name)
+
+    def send_and_receive(self, messages: Any, *, timeout: float | None = None) -> list[Message]:
+        replies = list(self.grid.send_and_receive(messages, timeout=timeout))
+        self.errors.update({reply.metadata.src_node_id: reply for reply in replies if reply.has_error()})
+        return replies
 
 
 @functools.cache
@@ -221,11 +484,10 @@ class _OneRound:
     def __init__(self, instructions: list[tuple[Any, FitIns]]) -> None:
         self.instructions = instructions
         self.results: list[tuple[Any, FitRes]] = []
-        self.failures: list[Any] = []
 
     def configure_fit(self, server_round: int, parameters: Any, client_manager: Any) -> list[tuple[Any, FitIns]]:
         return self.instructions
 
     def aggregate_fit(self, server_round: int, results: list, failures: list) -> tuple[None, dict]:
-        self.results, self.failures = list(results), list(failures)
+        self.results = list(results)
         return None, {}

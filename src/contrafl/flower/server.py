@@ -19,14 +19,14 @@ from typing import Any
 
 from ..algorithms.base import Phase, Reply
 from ..engine.simulation import ClientOutcome, Scores
-from ..errors import ContraflError
+from ..errors import ConfigError, ContraflError
 from ..rng import derive_seed
 from .codec import decode, encode  # first: a clear error when flwr is missing
 from flwr.app import Message, MessageType, RecordDict
 from flwr.serverapp import Grid
 
 from .node import USER_ERROR
-from .secagg import SecureRound, request_fitins
+from .secagg import MIN_CLIENTS, REJECTED, SecureRound, request_fitins, round_refusal
 
 POLL_S = 0.2
 
@@ -241,44 +241,65 @@ class PolledGrid:
 class SecureTransport(GridTransport):
     """A :class:`GridTransport` whose training rounds run through Flower's SecAgg+
     (:mod:`contrafl.flower.secagg`): the server sees each client's reply with the
-    sample-weighted mean of the round's float tensors in place of its own. Evaluate
-    messages go as before.
+    sample-weighted mean of the round's floating-point tensors in place of its own, and
+    the updates its clients rejected before masking as rejected. Evaluate messages go as
+    before. Every round has at least :data:`~contrafl.flower.secagg.MIN_CLIENTS` clients.
 
     Args (beyond :class:`GridTransport`'s):
         context: the ServerApp's context (the workflow runs in a legacy context over it).
         seed: the run's seed, for each client's stochastic rounding.
         max_weight: the largest sample count of a client (SecAgg+ quantises the weights
             by it).
+
+    Raises :class:`ConfigError` when ``num_clients`` or ``min_replies`` allow a round of
+    fewer clients (:func:`~contrafl.flower.secagg.round_refusal`).
     """
 
     def __init__(self, grid: Grid, context: Any, seed: int, max_weight: int, *args: Any, **kwargs: Any) -> None:
         super().__init__(grid, *args, **kwargs)
+        why = round_refusal(self.num_clients, self.min_replies)
+        if why is not None:
+            raise ConfigError(f"secure-aggregation=true: {why}")
         self.seed = seed
         self.secure = SecureRound(PolledGrid(grid), context, self.round_timeout, float(max(1, max_weight)))
 
     def train(
         self, t: int, cids: list[int], message_for: Callable[[int], dict[str, Any]], phases: list[Phase]
     ) -> Iterator[ClientOutcome]:
-        """Round ``t``'s train messages through SecAgg+; the clients' outcomes, then the
-        clients lost (no node, or the protocol did not finish). Raises as
-        :meth:`GridTransport.train` when fewer than ``min_replies`` replied."""
+        """Round ``t``'s train messages through SecAgg+; the updates the clients rejected
+        (before masking, with their reasons), the clients' outcomes, then the clients
+        lost (no node, an error, or the protocol did not finish). Raises
+        :class:`ContraflError` before the round when it has fewer than
+        :data:`~contrafl.flower.secagg.MIN_CLIENTS` clients (or nodes for them), and as
+        :meth:`GridTransport.train` when fewer than ``min_replies`` replied (a rejected
+        update counts as a reply, as a plain reply that fails validation)."""
+        why = round_refusal(len(cids), self.min_replies)
+        if why is not None:
+            raise ContraflError(f"round {t + 1}: {why}")
         node_of = self.nodes(cids)
         lost = self.missing(cids, node_of)
         needed = min(self.min_replies, len(cids))
-        if len(node_of) < max(needed, 2):
-            raise self.too_few(t, f"{len(node_of)} of {len(cids)} clients have a SuperNode that can serve them (SecAgg+ needs 2)", lost)
-        extra = {"checkpointed": self.checkpointed()}
+        if len(node_of) < max(needed, MIN_CLIENTS):
+            raise self.too_few(t, f"{len(node_of)} of {len(cids)} clients have a SuperNode that can serve them (a secure sum needs {MIN_CLIENTS})", lost)
+        extra = {"checkpointed": self.checkpointed(), "secure": True}
+        participants = {node: cid for cid, node in node_of.items()}
         fitins = {
-            cid: request_fitins(self.request(t, cid, message_for, extra), derive_seed(self.seed, "secagg", t, cid))
+            cid: request_fitins(self.request(t, cid, message_for, extra), derive_seed(self.seed, "secagg", t, cid), participants)
             for cid in sorted(node_of)
         }
-        replies, failures = self.secure.run(t, node_of, fitins)
-        for cid in node_of:
-            if cid not in replies:
-                self.forget(cid)
-                lost[cid] = f"no masked reply: SecAgg+ did not finish ({'; '.join(failures) or f'no answer within {self.round_timeout:g}s'})"
-        if len(replies) < needed:
-            raise self.too_few(t, f"{len(replies)} of {len(cids)} clients replied", lost)
+        replies, errors = self.secure.run(t, node_of, fitins)
+        rejected = {cid: str(reply.error.reason) for cid, reply in errors.items() if reply.error.code == REJECTED}
+        for cid in sorted(rejected):
+            yield ClientOutcome(cid, None, rejected=rejected[cid])
+        for cid in sorted(set(node_of) - set(replies) - set(rejected)):
+            self.forget(cid)
+            if cid in errors:
+                lost[cid] = reason_of(errors[cid])
+            else:
+                lost[cid] = f"no answer to SecAgg+ within {self.round_timeout:g}s" if replies else "no masked reply: SecAgg+ did not finish"
+        if len(replies) + len(rejected) < needed:
+            why_not = {**lost, **{cid: f"its update was rejected: {reason}" for cid, reason in rejected.items()}}
+            raise self.too_few(t, f"{len(replies) + len(rejected)} of {len(cids)} clients replied", why_not)
         for cid in sorted(replies):
             yield outcome_of(cid, decode(replies[cid]))
         for cid, why in sorted(lost.items()):

@@ -20,6 +20,9 @@ from ..engine.progress import Progress
 from ..engine.run_dir import RunDir
 from ..engine.setup import prepare
 from ..engine.simulation import resume
+from ..errors import ContraflError
+from .node import REPRODUCIBLE_WARNING, reproducible_noise
+from .secagg import refusal
 from .server import GridTransport, SecureTransport
 
 app = ServerApp()
@@ -31,9 +34,15 @@ def main(grid: Grid, context: Context) -> None:
     rc = context.run_config
     run_dir = RunDir(Path(str(rc["run-dir"])), resume=True)
     setup = prepare(load_config(run_dir.path / "config.yaml"))
+    if reproducible_noise(setup.config):
+        print(f"contrafl: warning: {REPRODUCIBLE_WARNING}", flush=True)
+    secure = bool(rc.get("secure-aggregation", False))
+    why = refusal(type(setup.algorithm), setup.algorithm.params, setup.config) if secure else None
+    if why is not None:  # a run config written by hand: contrafl deploy refuses it before
+        raise ContraflError(f"secure aggregation shows the server only the mean of the updates, but {why}; run without secure-aggregation")
     sim = resume(setup, run_dir, Progress(setup.config.rounds))
     settings = (setup.config.num_clients, float(rc["round-timeout"]), int(rc["min-replies"]), float(rc["wait-nodes"]))
-    if bool(rc.get("secure-aggregation", False)):
+    if secure:
         largest = max(len(rows) for rows in setup.partition.train)
         sim.transport = SecureTransport(grid, context, setup.config.seed, largest, *settings, checkpointed=lambda: sim.checkpointed)
     else:
