@@ -25,7 +25,8 @@ import torch
 
 from ..config import Config, differences, fingerprint
 from ..errors import CheckpointError
-from .run_dir import to_json, write_atomic
+from ..files import write_atomic
+from .run_dir import to_json
 
 CHECKPOINT_FORMAT = 1
 """Version of the checkpoint's layout; a checkpoint of another one is refused."""
@@ -103,7 +104,7 @@ def _short(value: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def _whole(value: Any) -> bool:
+def is_whole(value: Any) -> bool:
     """Whether ``value`` is a whole number (an int, not a bool)."""
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -117,7 +118,7 @@ def client_files(manifest: Any, where: str, num_clients: int | None = None) -> d
     read, keep or remove a file outside its directory, or another client's file.
     ``where`` says whose manifest it is in the :class:`CheckpointError` of a violation."""
     if not (isinstance(manifest, dict) and isinstance(manifest.get("files"), dict)
-            and _whole(manifest.get("serial")) and manifest["serial"] >= 0):
+            and is_whole(manifest.get("serial")) and manifest["serial"] >= 0):
         raise CheckpointError(
             f"{where}: clients is {_describe(manifest)}, expected "
             f"{{'files': {{client id: file name}}, 'serial': a whole number >= 0}}; {FOREIGN}"
@@ -127,7 +128,7 @@ def client_files(manifest: Any, where: str, num_clients: int | None = None) -> d
     files: dict[int, str] = {}
     for key, name in manifest["files"].items():
         digits = isinstance(key, str) and re.fullmatch(r"0|[1-9][0-9]*", key)
-        cid = key if _whole(key) else int(key) if digits else None
+        cid = key if is_whole(key) else int(key) if digits else None
         if cid is None or cid < 0 or (num_clients is not None and cid >= num_clients) or cid in files:
             raise CheckpointError(f"{where}: clients.files has the key {_short(key)}, expected {ids} (each once); {FOREIGN}")
         number = re.fullmatch(rf"client-{cid}-([1-9][0-9]*)\.pt", name) if isinstance(name, str) else None
@@ -192,7 +193,7 @@ def check_checkpoint(obj: Any, path: Path, cfg: Config, model: Mapping[str, torc
             + "; resume with the run directory's own config.yaml"
         )
     rounds = obj["round"]
-    if not (_whole(rounds) and 0 <= rounds <= cfg.rounds):
+    if not (is_whole(rounds) and 0 <= rounds <= cfg.rounds):
         raise bad("round", rounds, f"the rounds done, a whole number in 0..{cfg.rounds}")
     history = obj["history"]
     if not (isinstance(history, list) and len(history) == rounds):
@@ -217,7 +218,7 @@ def check_checkpoint(obj: Any, path: Path, cfg: Config, model: Mapping[str, torc
     client_files(obj["clients"], f"checkpoint {path}", cfg.num_clients)
     comm = obj["comm_total"]
     if not (isinstance(comm, dict) and all(
-        isinstance(comm.get(way), dict) and all(isinstance(k, str) and _whole(n) and n >= 0 for k, n in comm[way].items())
+        isinstance(comm.get(way), dict) and all(isinstance(k, str) and is_whole(n) and n >= 0 for k, n in comm[way].items())
         for way in ("down", "up")
     )):
         raise bad("comm_total", comm, "{'down': {kind: bytes}, 'up': {kind: bytes}}")

@@ -26,7 +26,7 @@ import torch
 
 from ..errors import CheckpointError
 from .checkpoint import client_files, load_safe, save_atomic
-from .run_dir import fsync_dir
+from ..files import fsync_dir
 
 
 def state_bytes(obj: Any, _seen: set[int] | None = None) -> int:

@@ -41,7 +41,7 @@ import hashlib
 import json
 import math
 import os
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -53,8 +53,9 @@ from ..algorithms.base import Reply
 from ..config import Config
 from ..errors import CheckpointError, ConfigError
 from ..rng import generator
+from .checkpoint import is_whole
 from .sampling import clients_per_round
-from .validate import is_label_table, label_tables
+from .validate import float_leaves, is_label_table, label_tables, map_update, updates, vector_norm
 
 DP_MODES = {
     "none": "no differential privacy (the default)",
@@ -198,7 +199,8 @@ class Privacy:
         else:
             for r in replies:
                 self.ledger.add(t, r.cid, release_digest(float_leaves(r.payload)))
-        return {"dp_epsilon": self.accountant.epsilon(self.spent()), "dp_releases": self.spent()}
+        spent = self.spent()
+        return {"dp_epsilon": self.accountant.epsilon(spent), "dp_releases": spent}
 
     @functools.cached_property
     def accountant(self) -> Accountant:
@@ -212,8 +214,8 @@ class Privacy:
         (central with a public sample: the aggregates that included it; local: its noisy
         replies)."""
         if self.mode == "central" and self.sampling != "public":
-            return self.ledger.count(None)
-        return max(self.ledger.per_client().values(), default=0)
+            return self.ledger.aggregates()
+        return self.ledger.most_per_client()
 
     def summary(self) -> dict[str, Any]:
         """The summary's ``dp`` block."""
@@ -240,7 +242,7 @@ class Privacy:
         previous = 0
         for row in history:
             released = row.get("dp_releases") if isinstance(row, Mapping) else None
-            if not isinstance(released, int) or isinstance(released, bool) or released < previous:
+            if not is_whole(released) or released < previous:
                 raise CheckpointError(f"{where}: round {row.get('round') if isinstance(row, Mapping) else '?'}'s dp_releases={released!r} is not a count that never decreases; the checkpoint was edited or not written by contrafl")
             if released > previous and not self.ledger.has_round(int(row["round"]) - 1):
                 raise CheckpointError(
@@ -265,8 +267,11 @@ class Ledger:
 
     def __init__(self) -> None:
         self.entries: list[dict[str, Any]] = []
-        self._keys: set[tuple[int, int | None, str]] = set()
         self.path: Path | None = None
+        self._keys: set[tuple[int, int | None, str]] = set()
+        self._rounds: set[int] = set()
+        self._aggregates = 0  # central aggregates
+        self._per_client: dict[int, int] = {}  # noisy replies, or the public sample's aggregates that list the client
 
     def open(self, path: Path) -> None:
         """Keep the ledger in ``path`` from now on, with the entries it already holds."""
@@ -291,8 +296,8 @@ class Ledger:
         """Add ``entry`` (checked) unless the ledger has it; with ``write``, to the file too."""
         ok = (
             isinstance(entry, Mapping) and _count(entry.get("round")) and isinstance(entry.get("digest"), str)
-            and (entry.get("client") is None or _count(entry.get("client")))
-            and (entry.get("clients") is None or (isinstance(entry["clients"], list) and all(_count(c) for c in entry["clients"])))
+            and (entry.get("client") is None or _count(entry["client"]))
+            and (entry.get("clients") is None or (isinstance(entry["clients"], list) and all(map(_count, entry["clients"]))))
         )
         if not ok:
             raise CheckpointError(f"{where}: {json.dumps(entry, default=str)[:80]} is not a release (round, client, digest); the privacy ledger was edited or not written by contrafl")
@@ -301,41 +306,32 @@ class Ledger:
             return
         self._keys.add(key)
         self.entries.append(dict(entry))
+        self._rounds.add(entry["round"])
+        self._aggregates += entry["client"] is None
+        for c in entry.get("clients") or ([] if entry["client"] is None else [entry["client"]]):
+            self._per_client[c] = self._per_client.get(c, 0) + 1
         if write and self.path is not None:
             with open(self.path, "a") as f:
                 f.write(json.dumps(entry) + "\n")
                 f.flush()
                 os.fsync(f.fileno())
 
-    def count(self, client: int | None) -> int:
-        """The releases of ``client`` (None: central aggregates)."""
-        return sum(1 for e in self.entries if e["client"] == client)
+    def aggregates(self) -> int:
+        """The central aggregates released."""
+        return self._aggregates
 
-    def per_client(self) -> dict[int, int]:
-        """Each client's releases: its noisy replies, or the central aggregates that list it."""
-        out: dict[int, int] = {}
-        for e in self.entries:
-            for c in e.get("clients", [e["client"]] if e["client"] is not None else []):
-                out[c] = out.get(c, 0) + 1
-        return out
+    def most_per_client(self) -> int:
+        """The releases of the client that has the most: its noisy replies, or the central
+        aggregates that list it."""
+        return max(self._per_client.values(), default=0)
 
     def has_round(self, round: int) -> bool:
-        return any(e["round"] == round for e in self.entries)
+        return round in self._rounds
 
 
 def _count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
-def float_leaves(payload: Any) -> list[torch.Tensor]:
-    """The floating-point tensors of ``payload`` in :func:`map_update`'s order."""
-    if isinstance(payload, torch.Tensor):
-        return [payload] if payload.is_floating_point() else []
-    if isinstance(payload, Mapping):
-        return [x for v in payload.values() for x in float_leaves(v)]
-    if isinstance(payload, (list, tuple)):
-        return [x for v in payload for x in float_leaves(v)]
-    return []
+    """A whole number >= 0 (a round or a client id)."""
+    return is_whole(value) and value >= 0
 
 
 def release_digest(tensors: Iterable[torch.Tensor]) -> str:
@@ -347,43 +343,6 @@ def release_digest(tensors: Iterable[torch.Tensor]) -> str:
         h.update(f"{t.dtype}{tuple(t.shape)}".encode())
         h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()[:32]
-
-
-def map_update(payload: Any, message: Any, fn: Callable[[int, torch.Tensor], torch.Tensor]) -> Any:
-    """``payload`` with every floating-point tensor ``p`` (update ``u = p - m``, ``m`` the
-    message's tensor of the same position and shape, else 0) replaced by ``m + fn(k, u)``,
-    ``k`` numbering the tensors in the payload's order; mappings, lists and tuples are
-    walked alike."""
-    count = 0
-
-    def walk(value: Any, ref: Any) -> Any:
-        nonlocal count
-        if isinstance(value, torch.Tensor):
-            if not value.is_floating_point():
-                return value
-            base = ref.to(value) if isinstance(ref, torch.Tensor) and ref.shape == value.shape else torch.zeros_like(value)
-            k, count = count, count + 1
-            return base + fn(k, value - base)
-        if isinstance(value, Mapping):
-            return {key: walk(v, ref.get(key) if isinstance(ref, Mapping) else None) for key, v in value.items()}
-        if isinstance(value, (list, tuple)):
-            refs = ref if isinstance(ref, (list, tuple)) and len(ref) == len(value) else [None] * len(value)
-            return type(value)(walk(v, r) for v, r in zip(value, refs))
-        return value
-
-    return walk(payload, message)
-
-
-def updates(payload: Any, message: Any) -> list[torch.Tensor]:
-    """The update's tensors ``u_k`` in :func:`map_update`'s order."""
-    out: list[torch.Tensor] = []
-    map_update(payload, message, lambda k, u: out.append(u) or u)
-    return out
-
-
-def vector_norm(tensors: list[torch.Tensor]) -> float:
-    """``||(t_1, ..., t_k)||`` in float64."""
-    return math.sqrt(sum(float(u.double().pow(2).sum()) for u in tensors))
 
 
 def protect_labels(payload: Any, message: Any, rep_clip: float | None, hide: bool) -> Any:

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 from pathlib import Path
-from collections.abc import Callable
-from typing import Any, BinaryIO
+from typing import Any
 
 from ..config import Config
 from ..errors import ConfigError
+from ..files import write_atomic
 
 
 def default_run_dir(algorithm: str, dataset: str, root: Path = Path("runs")) -> Path:
@@ -34,34 +33,6 @@ def default_run_dir(algorithm: str, dataset: str, root: Path = Path("runs")) -> 
 
 CHECKPOINT = "checkpoint.pt"
 LOCK = ".lock"
-
-
-def write_atomic(path: Path, write: Callable[[BinaryIO], Any]) -> None:
-    """Replace ``path`` with what ``write`` writes to a binary file, surviving a crash
-    at any point: a temporary file in the same directory, fsync, rename, fsync of the
-    directory. A reader sees the old file or the new one, never a torn one."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
-
-
-def fsync_dir(path: Path) -> None:
-    """Make a rename in ``path`` durable (no-op where directories cannot be opened)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def finite(obj: Any) -> Any:

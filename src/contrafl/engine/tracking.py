@@ -34,7 +34,8 @@ import yaml
 
 from ..config import TRACKERS
 from ..errors import ConfigError, ContraflError, one_line
-from .run_dir import finite, to_json, write_atomic
+from ..files import write_atomic
+from .run_dir import finite, to_json
 
 INSTALL = 'pip install "contrafl[tracking]"'
 # the packages a tracker needs (MLflow's SQLite store needs SQLAlchemy and Alembic, which mlflow-skinny leaves out)

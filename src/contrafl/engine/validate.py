@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -109,28 +109,57 @@ def _check(value: Any, spec: Any, path: str) -> str | None:
 
 def update_norm(payload: Mapping[str, Any], message: Mapping[str, Any]) -> float:
     """``sqrt(sum_p ||payload[p] - message[p]||^2)`` over the floating-point tensors of the
-    payload (in mappings, lists and tuples), with ``message[p] = 0`` where the broadcast
-    has no tensor of that position and shape."""
-    total = 0.0
+    payload (:func:`updates`: in mappings, lists and tuples), with ``message[p] = 0``
+    where the broadcast has no tensor of that position and shape."""
+    return vector_norm(updates(payload, message))
 
-    def walk(value: Any, ref: Any) -> None:
-        nonlocal total
+
+def map_update(payload: Any, message: Any, fn: Callable[[int, torch.Tensor], torch.Tensor]) -> Any:
+    """``payload`` with every floating-point tensor ``p`` (update ``u = p - m``, ``m`` the
+    message's tensor of the same position and shape, else 0) replaced by ``m + fn(k, u)``,
+    ``k`` numbering the tensors in the payload's order; mappings, lists and tuples are
+    walked alike."""
+    count = 0
+
+    def walk(value: Any, ref: Any) -> Any:
+        nonlocal count
         if isinstance(value, torch.Tensor):
             if not value.is_floating_point():
-                return
-            if isinstance(ref, torch.Tensor) and ref.shape == value.shape:
-                value = value - ref.to(value)
-            total += float(value.double().pow(2).sum())
-        elif isinstance(value, Mapping):
-            for k, v in value.items():
-                walk(v, ref.get(k) if isinstance(ref, Mapping) else None)
-        elif isinstance(value, (list, tuple)):
+                return value
+            base = ref.to(value) if isinstance(ref, torch.Tensor) and ref.shape == value.shape else torch.zeros_like(value)
+            k, count = count, count + 1
+            return base + fn(k, value - base)
+        if isinstance(value, Mapping):
+            return {key: walk(v, ref.get(key) if isinstance(ref, Mapping) else None) for key, v in value.items()}
+        if isinstance(value, (list, tuple)):
             refs = ref if isinstance(ref, (list, tuple)) and len(ref) == len(value) else [None] * len(value)
-            for v, r in zip(value, refs):
-                walk(v, r)
+            return type(value)(walk(v, r) for v, r in zip(value, refs))
+        return value
 
-    walk(payload, message)
-    return math.sqrt(total)
+    return walk(payload, message)
+
+
+def updates(payload: Any, message: Any) -> list[torch.Tensor]:
+    """The update's tensors ``u_k`` in :func:`map_update`'s order."""
+    out: list[torch.Tensor] = []
+    map_update(payload, message, lambda k, u: out.append(u) or u)
+    return out
+
+
+def vector_norm(tensors: list[torch.Tensor]) -> float:
+    """``||(t_1, ..., t_k)||`` in float64."""
+    return math.sqrt(sum(float(u.double().pow(2).sum()) for u in tensors))
+
+
+def float_leaves(payload: Any) -> list[torch.Tensor]:
+    """The floating-point tensors of ``payload`` in :func:`map_update`'s order."""
+    if isinstance(payload, torch.Tensor):
+        return [payload] if payload.is_floating_point() else []
+    if isinstance(payload, Mapping):
+        return [x for v in payload.values() for x in float_leaves(v)]
+    if isinstance(payload, (list, tuple)):
+        return [x for v in payload for x in float_leaves(v)]
+    return []
 
 
 def norm_outliers(

@@ -41,10 +41,9 @@ from ..engine.simulation import Scores, Simulation
 from ..engine.validate import check_reply
 from ..errors import ContraflError
 from .codec import decode, encode
-from .node import REPRODUCIBLE_WARNING, NodeSettings, reproducible_noise
+from .node import REPRODUCIBLE_WARNING, NodeSettings, client_state_dir, reproducible_noise
 from flwr.app import MessageType, RecordDict
 
-STATE_DIR = "flower-clients"
 STATE_FILE = re.compile(r"round-(\d+)\.pt")
 
 
@@ -65,7 +64,7 @@ class FlowerClient:
         if reproducible_noise(cfg):
             print(f"contrafl: warning: client {cid}: {REPRODUCIBLE_WARNING}", file=sys.stderr, flush=True)
         self.sim = Simulation(own_rows(prepare(cfg, Partition.load(self.run_dir / "partition.json")), cid))
-        self.state_dir = Path(state_dir or self.run_dir / STATE_DIR) / f"client-{cid}"
+        self.state_dir = client_state_dir(self.run_dir, cid, state_dir)
 
     @classmethod
     def of(cls, settings: NodeSettings) -> FlowerClient:

@@ -138,6 +138,17 @@ def reproducible_noise(cfg: Any) -> bool:
     return cfg.dp.name != "none" and cfg.dp.options.get("noise") == "reproducible"
 
 
+STATE_DIR = "flower-clients"
+"""The folder of the clients' state files in a run directory (node config ``state-dir``
+replaces it)."""
+
+
+def client_state_dir(run_dir: str | Path, cid: int, state_dir: str | Path | None = None) -> Path:
+    """Client ``cid``'s folder of state files: ``client-<cid>/`` in ``state_dir``
+    (default: ``<run_dir>/flower-clients``)."""
+    return Path(state_dir or Path(run_dir) / STATE_DIR) / f"client-{cid}"
+
+
 def reported(exc: ContraflError) -> str:
     """``exc``'s message, also written to the SuperNode's log (one line)."""
     print(f"contrafl: {exc}", file=sys.stderr, flush=True)

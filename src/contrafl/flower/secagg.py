@@ -68,7 +68,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import random
 from collections.abc import Callable
 from pathlib import Path
@@ -85,7 +84,8 @@ from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFI
 from flwr.compat.common import recorddict_compat as compat  # noqa: E402
 
 from ..errors import ClientUpdateError, ContraflError  # noqa: E402
-from .node import USER_ERROR, NodeSettings, reported  # noqa: E402
+from ..files import write_atomic  # noqa: E402
+from .node import USER_ERROR, NodeSettings, client_state_dir, reported  # noqa: E402
 from .wire import pack, unpack  # noqa: E402
 
 #: Every float value a client sends is clipped to +-CLIPPING_RANGE (SecAgg+'s default is 8).
@@ -319,10 +319,10 @@ def unmask_refusal(msg: Message, context: Any) -> None:
 
 
 def ledger_file(settings: NodeSettings) -> Path:
-    """The client's ledger of secure sums: ``secagg-ledger.json`` in its state folder,
-    ``client-<cid>/`` in the node config's ``state-dir`` (default
-    ``<run-dir>/flower-clients``, as :class:`~contrafl.flower.client.FlowerClient`'s)."""
-    return Path(settings.state_dir or Path(settings.run_dir) / "flower-clients") / f"client-{settings.partition_id}" / LEDGER
+    """The client's ledger of secure sums: ``secagg-ledger.json`` in its state folder
+    (:func:`~contrafl.flower.node.client_state_dir`, as
+    :class:`~contrafl.flower.client.FlowerClient`'s)."""
+    return client_state_dir(settings.run_dir, settings.partition_id, settings.state_dir) / LEDGER
 
 
 def check_ledger(path: Path, t: int, clients: list[int]) -> None:
@@ -336,31 +336,14 @@ def check_ledger(path: Path, t: int, clients: list[int]) -> None:
         raise ContraflError(f"{path}: cannot read this client's ledger of secure sums ({exc}); restore it (deleting it lets the server unmask the rounds again)") from None
     before = ledger.get(str(t))
     if before is None:
-        _write_durably(path, json.dumps({**ledger, str(t): clients}))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, lambda f: f.write(json.dumps({**ledger, str(t): clients}).encode()))
     elif before != clients:
         raise ContraflError(
             f"round {t}: SecAgg+ asks this client to unmask a sum over clients {clients}, but it unmasked one over clients {before} "
             f"in this round already ({path}), and the two sums would give the server their difference; "
             "resume the run when the same clients can finish the round"
         )
-
-
-def _write_durably(path: Path, text: str) -> None:
-    """Replace ``path`` with ``text`` so that a reader sees the old file or the new one
-    and a crash loses neither: a temporary file, fsync, rename, fsync of the folder (as
-    :func:`contrafl.engine.run_dir.write_atomic`, which the ClientApp does not import)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    folder = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(folder)
-    finally:
-        os.close(folder)
 
 
 # -- server ----------------------------------------------------------------------------------
