@@ -21,7 +21,7 @@ def run_cli(*args, cwd=None):
     [
         (["dataset=cifar11"], "unknown dataset 'cifar11' (did you mean 'cifar10'?)"),
         (["dataset=cifar10", "data_dir=/nonexistent/dir"], "data_dir=/nonexistent/dir does not exist"),
-        (["dataset=cifar10"], "needs data_dir=DIR"),
+        (["dataset=cifar10"], "needs data_dir=PATH; get the files with"),
         (["partition.beta=0"], "partition.beta='0' is invalid: expected > 0"),
         (["partition.beta=-1"], "partition.beta='-1' is invalid"),
         (["num_clients=5000"], "num_clients=5000 is larger than the 1347 training samples"),

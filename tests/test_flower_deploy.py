@@ -265,7 +265,7 @@ def test_the_several_machines_commands_give_contrafl_runs_metrics_and_report_wha
     problems = [
         ("7", "node config partition-id=7 is not a client of the run (0..2); restart the SuperNode with the partition-id of the client it serves"),
         ("1", f"node config run-dir='{tmp_path / 'node-no-run' / 'run'}': no config.yaml and no partition.json there; copy config.yaml and "
-              "partition.json of the server's run directory to this machine and restart the SuperNode with --node-config run-dir set to their folder"),
+              "partition.json of the server's run directory (config.yaml alone where each node holds its own data) to this machine and restart the SuperNode with --node-config run-dir set to their folder"),
     ]
     for process, (partition, problem) in zip(unfit, problems):
         node_log = process.log_text()

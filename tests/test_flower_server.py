@@ -90,7 +90,7 @@ def test_supernodes_that_do_not_fit_the_run_are_reported_once_and_left_out(tmp_p
     nodes = {11: {"partition-id": 0}, 12: {"partition-id": 7}, 13: {"partition-id": 1, "run-dir": str(missing)}}
     run_dir_problem = (
         f"node config run-dir='{missing}': no config.yaml and no partition.json there; copy config.yaml and partition.json "
-        "of the server's run directory to this machine and restart the SuperNode with --node-config run-dir set to their folder"
+        "of the server's run directory (config.yaml alone where each node holds its own data) to this machine and restart the SuperNode with --node-config run-dir set to their folder"
     )
     range_problem = "node config partition-id=7 is not a client of the run (0..2); restart the SuperNode with the partition-id of the client it serves"
     absent = f"no SuperNode serves partition 2 (waited wait-nodes={WAIT_NODES:g}s)"

@@ -201,7 +201,7 @@ def cmd_deploy(ns: argparse.Namespace) -> int:
     """``contrafl deploy [CONFIG] KEY=VALUE...``: the run on a local Flower deployment.
     Every input is checked (and the run directory written) before anything is printed."""
     try:
-        from .flower.deploy import check_hosts, check_settings, commands, deploy, prepare_run
+        from .flower.deploy import check_hosts, check_node_data, check_settings, commands, deploy, prepare_run, recorded_node_data
     except ImportError as exc:
         raise ContraflError(str(exc)) from None
     from .engine.run_dir import default_run_dir
@@ -217,20 +217,29 @@ def cmd_deploy(ns: argparse.Namespace) -> int:
         cfg = load_config(path / "config.yaml")
     else:
         config_path, overrides = _split_run_args(ns.args)
+        if ns.node_data and not any(o.startswith("node_data=") for o in overrides):
+            overrides = [*overrides, "node_data=own"]
         cfg = load_config(config_path, overrides)
         path = Path(ns.out) if ns.out else default_run_dir(cfg.algorithm.name, cfg.dataset.name)
     if ns.min_replies is None:
         ns.min_replies = min(3, cfg.num_clients) if ns.secure_aggregation else 1
     check_settings(cfg, ns.round_timeout, ns.min_replies, ns.secure_aggregation)
+    node_data = ns.node_data or ()
+    if ns.resume and node_data:
+        raise ConfigError("--resume takes no --node-data: give the run's --node-data paths again only to a new run")
     if not ns.supernode_poll > 0:
         raise ConfigError(f"--supernode-poll {ns.supernode_poll:g} must be a positive number of seconds (3 waits as long as Flower's own SuperNode)")
     tls, auth = deploy_security(ns)
     if ns.prepare_only:
         check_hosts(ns.server_host or (), tls)
+        check_node_data(cfg, node_data, required=False)
         cfg = prepare_run(cfg, path)
         print(commands(path, cfg, ns.round_timeout, ns.min_replies, server_hosts=ns.server_host or (), tls=tls, auth=auth,
-                       secure_aggregation=ns.secure_aggregation))
+                       secure_aggregation=ns.secure_aggregation, node_data=node_data))
         return 0
+    if ns.resume and cfg.node_data == "own":
+        node_data = recorded_node_data(path)
+    check_node_data(cfg, node_data, required=True)
     if not ns.resume:
         cfg = prepare_run(cfg, path)
     print(f"contrafl {__version__}: {cfg.algorithm.name} on a local Flower deployment of {cfg.num_clients} SuperNodes"
@@ -239,7 +248,7 @@ def cmd_deploy(ns: argparse.Namespace) -> int:
     result = deploy(
         cfg, path, prepared=True, tls=tls, auth=auth, round_timeout=ns.round_timeout, min_replies=ns.min_replies,
         secure_aggregation=ns.secure_aggregation,
-        supernode_poll=ns.supernode_poll, echo=sys.stdout,
+        supernode_poll=ns.supernode_poll, echo=sys.stdout, node_data=node_data,
     )
     print(f"Flower run {result.run_id}: {result.status} in {result.seconds:.1f}s; results in {path}")
     return 0
@@ -276,33 +285,38 @@ def cmd_list(ns: argparse.Namespace) -> int:
             elif when.partition("=")[0] in fields:  # applies once that option is changed
                 print(f"      {prefix}.{name}={default}  {doc} (with {prefix}.{when})")
 
+    def plugin(registry, name: str) -> str:
+        package = registry.package(name)
+        return f" (plugin: {package})" if package else ""
+
     if what in ("all", "algorithms"):
         print("algorithms (algorithm=NAME, options algorithm.OPTION=VALUE):")
         for name, cls in ALGORITHMS.items():
-            print(f"  {name:<12} {cls.summary}")
+            print(f"  {name:<12} {cls.summary}{plugin(ALGORITHMS, name)}")
             options(cls.Params, "algorithm", cls.inapplicable(cls.Params()))
     if what in ("all", "datasets"):
         print("datasets (dataset=NAME):")
         for name, spec in DATASETS.items():
             rec = ", ".join(f"{k} {v}" for k, v in spec.recommended.items())
-            print(f"  {name:<12} {spec.summary} [model {spec.default_model}; {rec}]")
+            print(f"  {name:<12} {spec.summary} [model {spec.default_model}; {rec}]{plugin(DATASETS, name)}")
             options(spec.options, "dataset")
     if what in ("all", "partitions"):
         print("partitions (partition=NAME):")
         for name, spec in PARTITIONS.items():
-            print(f"  {name:<12} {spec.summary}")
+            print(f"  {name:<12} {spec.summary}{plugin(PARTITIONS, name)}")
             options(spec.options, "partition")
     if what in ("all", "models"):
         print("models (model=NAME; every model takes the head options below):")
         for name, spec in MODELS.items():
-            print(f"  {name:<12} {spec.summary}")
+            print(f"  {name:<12} {spec.summary}{plugin(MODELS, name)}")
             options(spec.options, "model")
+        print("  MODULE:FACTORY  your encoder: model=mypkg.nets:make_encoder or model=./nets.py:make_encoder, options model.ARG=VALUE (docs/extending.md)")
         print("  head options:")
         options(HeadOptions, "model")
     if what in ("all", "augmentations"):
         print("augmentations (augment=NAME):")
         for name in augment.AUGMENTATIONS.names():
-            print(f"  {name}")
+            print(f"  {name}{plugin(augment.AUGMENTATIONS, name)}")
     if what in ("all", "dp"):
         print("differential privacy (dp=NAME, options dp.OPTION=VALUE; docs/privacy.md):")
         for name, summary in DP_MODES.items():
@@ -601,6 +615,9 @@ def build_parser() -> argparse.ArgumentParser:
     dep.add_argument("--supernode-poll", type=float, default=0.2, metavar="S",
                      help="the SuperNodes' longest wait between their pulls of messages, in seconds (default 0.2; "
                           "Flower's own SuperNode waits 3 s, a second and a half per message on average)")
+    dep.add_argument("--node-data", action="append", metavar="PATH",
+                     help="a client's own data (repeat once per client, in client order; sets node_data=own): each SuperNode "
+                          "holds only its own, the server none (docs/flower.md, \"Three sites, three folders\")")
     dep.add_argument("--resume", metavar="RUN_DIR",
                      help="continue a deployed run from its last checkpoint (after its server or the machine stopped)")
     dep.add_argument("--prepare-only", action="store_true",

@@ -89,6 +89,20 @@ class Config:
     data_dir: str | None = P.param(None, None, "directory of the dataset files")
     allow_subset: bool = P.param(False, None, "accept well-formed files that fail the official checksum (subsets)")
     download: bool = P.param(False, None, "download missing official files into data_dir")
+    node_data: str = P.param(
+        "shared", P.OneOf(("shared", "own")),
+        "where a Flower deployment's clients get their data: shared (every SuperNode holds the whole dataset and partition.json "
+        "and cuts out its client's rows: a simulation spread over machines) or own (each SuperNode holds only its own data, "
+        "node config data=PATH, and the server none: a federation; docs/flower.md)",
+    )
+    server_test: str | None = P.param(
+        None, None, "node_data=own: a test set the server holds (in the dataset's format), on which it evaluates the global model; none = federated evaluation",
+    )
+    global_eval: str = P.param(
+        "auto", P.OneOf(("auto", "server", "federated")),
+        "where the global model is evaluated: server (on the test set) or federated (every client on its local test split, "
+        "the sample-weighted mean, as Flower's evaluate round); auto: federated with node_data=own and no server_test, else server",
+    )
     num_clients: int = P.param(10, P.Interval(1, None), "number of clients N")
     test_fraction: float = P.param(0.0, P.Interval(0, 1, "left"), "per-client test split (PFLlib uses 0.25); 0 = none")
     pool: bool = P.param(False, None, "pool the official train and test sets before partitioning (PFLlib); needs test_fraction > 0")
@@ -209,6 +223,9 @@ NEUTRAL_VALUES: dict[str, Any] = {
     "round_deadline": None,
     "stragglers": "drop",
     "dp": "none",
+    "node_data": "shared",
+    "server_test": None,
+    "global_eval": "server",
 }
 
 
@@ -220,7 +237,11 @@ def _neutral(key: str, value: Any) -> bool:
 def fingerprint(config: Config | Mapping[str, Any]) -> str:
     """A hash of the settings of a resolved configuration that determine its results
     (all but :data:`EXECUTION_SETTINGS`, and those of :data:`NEUTRAL_VALUES` at their
-    neutral value): two runs with equal fingerprints compute the same thing."""
+    neutral value): two runs with equal fingerprints compute the same thing. A model of
+    the user's code (``model=FILE.py:FACTORY``, ``model=MODULE:FACTORY``) adds the SHA-256
+    of the file that defines it, so that editing the file makes another configuration."""
+    from .usercode import is_reference, parse, source_digest
+
     tree = config.to_dict() if isinstance(config, Config) else dict(config)
     kept: dict[str, Any] = {}
     for k, v in tree.items():
@@ -229,6 +250,13 @@ def fingerprint(config: Config | Mapping[str, Any]) -> str:
         if isinstance(v, Mapping):
             v = {o: x for o, x in v.items() if not _neutral(f"{k}.{o}", x)}
         kept[k] = v
+    model = tree.get("model")
+    name = model.get("name") if isinstance(model, Mapping) else model
+    if is_reference(name):
+        try:
+            kept["model.source_sha256"] = source_digest(parse(name))
+        except ConfigError:  # not a valid reference: the name alone
+            pass
     return hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 

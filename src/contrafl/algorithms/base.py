@@ -361,6 +361,13 @@ class Algorithm:
         return cls.individual_updates(params)
 
     @classmethod
+    def needs_all_clients_data(cls, params: Any) -> str | None:
+        """Why the client side needs facts of every client's data
+        (:attr:`Federation.client_sizes`), which a federation whose nodes hold their own
+        data (``node_data=own``) does not share, or None."""
+        return None
+
+    @classmethod
     def inapplicable(cls, params: Any) -> dict[str, str]:
         """The options that have no effect with ``params``, each with the setting under
         which it would (``{"ema": "method=byol"}``): ``contrafl list`` leaves them out or

@@ -5,4 +5,4 @@ from __future__ import annotations
 from ..registry import Registry
 from .base import Algorithm
 
-ALGORITHMS: Registry[type[Algorithm]] = Registry("algorithm")
+ALGORITHMS: Registry[type[Algorithm]] = Registry("algorithm", "contrafl.algorithms", Algorithm)

@@ -184,6 +184,12 @@ class SelfSupervised(Algorithm):
         return {option: "method=" + "|".join(methods) for option, methods in METHOD_OPTIONS.items() if method not in methods}
 
     @classmethod
+    def needs_all_clients_data(cls, params: Any) -> str | None:
+        if params.even_steps:
+            return "algorithm.even_steps=true sets each client's epochs from the largest client's sample count; set algorithm.even_steps=false"
+        return None
+
+    @classmethod
     def input_problem(cls, params: Any, input_shape: tuple[int, ...]) -> str | None:
         if getattr(params, "rotation", 0) > 0 and (len(input_shape) != 3 or input_shape[1] != input_shape[2]):
             return (

@@ -5,7 +5,7 @@ Importing this package registers every dataset (:data:`DATASETS`), partitioner
 (:data:`~contrafl.data.augment.AUGMENTATIONS`).
 """
 
-from . import augment, datasets, partition  # noqa: F401  (registration)
+from . import augment, datasets, partition, flwr_partitions, huggingface, folder, arrays, pfllib, leaf  # noqa: F401  (registration)
 from .base import ArrayDataset, FederatedDataset
 from .registry import DATASETS, DatasetSpec, LoadRequest
 

@@ -660,7 +660,7 @@ class FeatureCorruption(Op):
 
 TransformFactory = Callable[[Sequence[float] | None, Sequence[float] | None], "Transform | Views"]
 
-AUGMENTATIONS: Registry[TransformFactory] = Registry("augmentation")
+AUGMENTATIONS: Registry[TransformFactory] = Registry("augmentation", "contrafl.augmentations")
 
 
 def eval_transform(mean: Sequence[float] | None, std: Sequence[float] | None) -> Transform:

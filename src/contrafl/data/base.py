@@ -43,8 +43,13 @@ class FederatedDataset:
         classes: class names; ``len(classes)`` is the number of classes.
         mean, std: per-channel normalisation constants (images) or ``None`` (tabular).
         natural_partition: for datasets that are federated by construction
-            (FedProx's Synthetic), ``{"train": [...], "test": [...]}`` lists of index
-            lists, one per client; ``None`` otherwise.
+            (FedProx's Synthetic, per-client folders or files), ``{"train": [...],
+            "test": [...]}``: per client, its rows of ``train`` and of ``test``;
+            ``None`` otherwise.
+        local_test: the ``test`` lists of ``natural_partition`` are the clients' own test
+            data, which become their local test splits with ``partition=natural``
+            (FedProx's Synthetic: no, its clients' test rows only make the test set).
+        client_names: the natural clients' names (a folder's or file's name), by client id.
         info: provenance, e.g. ``{"subset": True}`` when a checksum-mismatching subset was
             accepted explicitly.
     """
@@ -57,6 +62,8 @@ class FederatedDataset:
     std: tuple[float, ...] | None = None
     natural_partition: dict[str, list[list[int]]] | None = None
     info: dict = field(default_factory=dict)
+    local_test: bool = False
+    client_names: list[str] | None = None
 
     def pooled(self) -> "FederatedDataset":
         """The official train and test sets as one training set (train rows first) and
@@ -67,6 +74,19 @@ class FederatedDataset:
         train = ArrayDataset(torch.cat([self.train.x, self.test.x]), torch.cat([self.train.y, self.test.y]))
         test = ArrayDataset(self.test.x[:0], self.test.y[:0])
         return dataclasses.replace(self, train=train, test=test, info={**self.info, "pooled": True})
+
+    def with_local_tests(self) -> tuple["FederatedDataset", list[list[int]]]:
+        """The dataset whose training split also holds the clients' own test data
+        (``local_test``), appended after the training rows, and each client's rows of it:
+        the local test splits of ``partition=natural``, which the engine takes from the
+        training split as it does ``test_fraction``'s. The test split stays the union of
+        the clients' test data (what the global model is evaluated on)."""
+        if self.natural_partition is None or not self.local_test:
+            raise ValueError(f"dataset {self.name} gives its clients no test data of their own")
+        n = len(self.train)
+        train = ArrayDataset(torch.cat([self.train.x, self.test.x]), torch.cat([self.train.y, self.test.y]))
+        tests = [[n + int(i) for i in rows] for rows in self.natural_partition["test"]]
+        return dataclasses.replace(self, train=train, info={**self.info, "local_tests_appended": True}), tests
 
     @property
     def num_classes(self) -> int:

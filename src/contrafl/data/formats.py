@@ -10,6 +10,7 @@ or foreign file never reaches training. Checksums are not this module's business
 from __future__ import annotations
 
 import gzip
+import importlib
 import math
 import pickle
 import zipfile
@@ -48,14 +49,25 @@ def corrupted(source: str | Path, why: str) -> DataError:
     return DataError(f"{source} is truncated or corrupted: {why}")
 
 
-class _CifarUnpickler(pickle.Unpickler):
-    """An unpickler that only builds what CIFAR's files hold: dicts, lists, strings, numbers and
-    numpy arrays. Any other global is refused, so a tampered file cannot run code."""
+def _numpy_global(module: str, name: str) -> Any:
+    """numpy's reconstruction helpers, under the module name of numpy 1 or 2 that a file
+    names (``numpy.core`` is ``numpy._core`` since numpy 2)."""
+    for candidate in (module.replace("numpy.core", "numpy._core"), module):
+        try:
+            return getattr(importlib.import_module(candidate), name)
+        except (ImportError, AttributeError):
+            continue
+    raise pickle.UnpicklingError(f"{module}.{name} is not available")
+
+
+class ArrayUnpickler(pickle.Unpickler):
+    """Builds numpy arrays and dtypes and plain Python containers; any other global (a
+    function that could run code when called) is refused."""
 
     ALLOWED = frozenset(
         {
-            ("numpy.core.multiarray", "_reconstruct"),  # the official files (Python 2, numpy 1)
-            ("numpy._core.multiarray", "_reconstruct"),  # re-pickled by numpy >= 2
+            ("numpy.core.multiarray", "_reconstruct"),  # numpy 1
+            ("numpy._core.multiarray", "_reconstruct"),  # numpy 2
             ("numpy.core.numeric", "_frombuffer"),  # pickle protocol 5
             ("numpy._core.numeric", "_frombuffer"),
             ("numpy", "ndarray"),
@@ -66,8 +78,10 @@ class _CifarUnpickler(pickle.Unpickler):
 
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) not in self.ALLOWED:
-            raise pickle.UnpicklingError(f"unexpected object {module}.{name}")
-        return super().find_class(module, name)
+            raise pickle.UnpicklingError(f"it names {module}.{name}, which is not read (a pickle can run code)")
+        if module == "_codecs":
+            return super().find_class(module, name)
+        return _numpy_global(module, name)
 
 
 def _text(value: Any) -> Any:
@@ -80,7 +94,7 @@ def read_pickle(path: Path) -> dict[str, Any]:
     """The dict pickled in ``path``, which must hold exactly one pickle and nothing after it."""
     with open(path, "rb") as f:
         try:
-            obj = _CifarUnpickler(f, encoding="latin1").load()
+            obj = ArrayUnpickler(f, encoding="latin1").load()
         # A damaged pickle can fail in many ways (EOFError, UnpicklingError, ValueError,
         # TypeError, IndexError, ...): all of them mean the file is unusable.
         except Exception as exc:

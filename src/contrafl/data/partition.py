@@ -93,6 +93,8 @@ class SplitRequest:
         options: an instance of the partitioner's ``PartitionSpec.options``.
         rng: the partition's random state, consumed in the reference code's order.
         natural: the dataset's own per-client index lists, when it has them.
+        seed: the partition's seed, for partitioners that draw from their own generator
+            (Flower Datasets' ``np.random.default_rng(seed)``) rather than from ``rng``.
     """
 
     labels: np.ndarray
@@ -101,6 +103,7 @@ class SplitRequest:
     options: Any
     rng: np.random.RandomState
     natural: list[list[int]] | None = None
+    seed: int = 0
 
 
 @dataclass(frozen=True)
@@ -120,7 +123,7 @@ class PartitionSpec:
     options: type = P.NoOptions
 
 
-PARTITIONS: Registry[PartitionSpec] = Registry("partition")
+PARTITIONS: Registry[PartitionSpec] = Registry("partition", "contrafl.partitions", PartitionSpec)
 
 
 def _register(spec: PartitionSpec) -> None:
@@ -397,7 +400,7 @@ class Partition:
         if parts is None:
             raise ValueError("this partition has no per-client test split; use split='train'")
         labels = np.asarray(labels)
-        if labels.max() >= num_classes:
+        if labels.size and labels.max() >= num_classes:
             raise ValueError(f"labels go up to {labels.max()} but num_classes={num_classes}")
         return np.stack([np.bincount(labels[idx], minlength=num_classes) for idx in parts]).astype(np.int64)
 
@@ -553,7 +556,7 @@ def make_partition(
     if num_classes < top:
         raise ValueError(f"num_classes={num_classes} but labels go up to {top - 1}")
     rng = _random_state(int(seed))
-    request = SplitRequest(labels, int(num_clients), int(num_classes), opts, rng, natural)
+    request = SplitRequest(labels, int(num_clients), int(num_classes), opts, rng, natural, seed=int(seed))
     train = [np.asarray(idx, dtype=np.int64) for idx in spec.split(request)]
     empty = [j for j, idx in enumerate(train) if len(idx) == 0]
     if empty:

@@ -67,4 +67,4 @@ class DatasetSpec:
     needs_data_dir: bool = True
 
 
-DATASETS: Registry[DatasetSpec] = Registry("dataset")
+DATASETS: Registry[DatasetSpec] = Registry("dataset", "contrafl.datasets", DatasetSpec)

@@ -28,8 +28,9 @@ from ..data.base import ArrayDataset, FederatedDataset
 from ..data.partition import PARTITIONS, Partition, make_partition
 from ..data.registry import DATASETS, DatasetSpec, LoadRequest
 from ..errors import ConfigError, DataError
-from ..models import MODELS, build_model
-from ..models.registry import split_options
+from ..models import build_model
+from ..models.custom import from_user, vectorizable
+from ..models.registry import model_spec as lookup_model, split_options
 from ..models.base import FedModel
 from ..rng import derive_seed
 from .privacy import MODES, DPParams
@@ -114,16 +115,14 @@ def check_data_dir(cfg: Config) -> Path | None:
     """The configured data directory, checked to exist when the dataset needs one."""
     spec = DATASETS.get(cfg.dataset.name)
     data_dir = Path(cfg.data_dir).expanduser() if cfg.data_dir else None
+    get = (
+        f"get the files with `contrafl data download {spec.name} --data-dir DIR`" if spec.download is not None
+        else f"point it to your files (`contrafl list datasets` shows the layouts {spec.name} reads)"
+    )
     if spec.needs_data_dir and data_dir is None:
-        raise ConfigError(
-            f"dataset {spec.name} needs data_dir=DIR; get the files with "
-            f"`contrafl data download {spec.name} --data-dir DIR`"
-        )
+        raise ConfigError(f"dataset {spec.name} needs data_dir=PATH; {get}")
     if data_dir is not None and spec.needs_data_dir and not data_dir.exists() and not cfg.download:
-        raise ConfigError(
-            f"data_dir={cfg.data_dir} does not exist; point it to the {spec.name} files or get them "
-            f"with `contrafl data download {spec.name} --data-dir {cfg.data_dir}`"
-        )
+        raise ConfigError(f"data_dir={cfg.data_dir} does not exist; {get.replace('DIR', str(cfg.data_dir))}")
     return data_dir
 
 
@@ -136,7 +135,7 @@ def resolve(cfg: Config) -> Config:
     algo_params = P.build(algo_cls.Params, cfg.algorithm.options, "algorithm")
     spec = DATASETS.get(cfg.dataset.name)
     dataset_options = P.build(spec.options, cfg.dataset.options, "dataset")
-    model_spec = MODELS.get(spec.default_model if P.fold(cfg.model.name) == "auto" else cfg.model.name)
+    model_spec = lookup_model(spec.default_model if P.fold(cfg.model.name) == "auto" else cfg.model.name)
     head, backbone = split_options(model_spec, cfg.model.options)
     augment_name = augment.AUGMENTATIONS.canonical(resolve_augment(cfg.augment, spec, algo_cls))
     partition = PARTITIONS.get(cfg.partition.name)
@@ -166,12 +165,31 @@ def resolve(cfg: Config) -> Config:
             f"eval_personal=true evaluates classifiers, and {algo_cls.name} learns representations without one; "
             "leave eval_personal unset: the run reports kNN accuracy (knn_every)"
         )
+    knn_every = cfg.knn_every if cfg.knn_every is not None else (0 if algo_cls.supervised else cfg.eval_every)
+    if cfg.node_data == "own":
+        check_own_data(cfg, spec, dataset_options)
+        why = algo_cls.needs_all_clients_data(algo_params)
+        if why is not None:
+            raise ConfigError(f"node_data=own: the nodes share nothing about their data, and {why}")
+        knn_every = 0
+    elif cfg.server_test is not None:
+        raise ConfigError(
+            f"server_test={cfg.server_test} is the test set of a server whose nodes hold their own data; "
+            "set node_data=own, or drop server_test (the dataset's test split is the server's)"
+        )
+    global_eval = cfg.global_eval
+    if global_eval == "auto":
+        global_eval = "federated" if cfg.node_data == "own" and cfg.server_test is None else "server"
+    if global_eval == "server" and cfg.node_data == "own" and cfg.server_test is None:
+        raise ConfigError(
+            "global_eval=server but the server of node_data=own holds no test set; give it one with server_test=PATH, "
+            "or set global_eval=federated (the clients evaluate the global model on their test splits)"
+        )
     device = resolve_device(cfg.device)
     rec = spec.recommended
     cfg = dataclasses.replace(
         cfg,
         dataset=Component(spec.name, P.to_dict(dataset_options)),
-        partition=Component(partition.name, P.to_dict(partition_options)),
         model=Component(model_spec.name, {**P.to_dict(head), **P.to_dict(backbone)}),
         algorithm=Component(algo_cls.name, P.to_dict(algo_params)),
         dp=dp,
@@ -190,11 +208,53 @@ def resolve(cfg: Config) -> Config:
             cfg.eval_personal if cfg.eval_personal is not None
             else algo_cls.supervised and (algo_cls.personalized or cfg.test_fraction > 0)
         ),
-        knn_every=cfg.knn_every if cfg.knn_every is not None else (0 if algo_cls.supervised else cfg.eval_every),
+        knn_every=knn_every,
+        global_eval=global_eval,
+        partition=Component("natural") if cfg.node_data == "own" else Component(partition.name, P.to_dict(partition_options)),
+        server_test=str(Path(cfg.server_test).expanduser().resolve()) if cfg.server_test else None,
     )
     executor = choose_executor(cfg, algo_cls, device)
     workers = (cfg.workers or cpu_cores()) if executor == "parallel" else 1
     return dataclasses.replace(cfg, executor=executor, workers=workers)
+
+
+def check_own_data(cfg: Config, spec: DatasetSpec, options: Any) -> None:
+    """:class:`ConfigError` unless ``cfg`` (``node_data=own``) says what the nodes of a
+    federation must agree on, and asks nothing of the server that needs their data."""
+    from ..data.user import CommonOptions
+
+    fix = "(docs/flower.md, \"Three sites, three folders\")"
+    if not isinstance(options, CommonOptions):
+        raise ConfigError(
+            f"node_data=own: each SuperNode reads its own files, and dataset {spec.name} is not read from a user's files; "
+            f"use dataset=folder, arrays, huggingface, pfllib or leaf {fix}"
+        )
+    if cfg.data_dir is not None:
+        raise ConfigError(
+            f"node_data=own: the server holds no training data, but data_dir={cfg.data_dir} is set; drop it "
+            "(each SuperNode's node config says where its own data are: data=PATH)"
+        )
+    if options.classes is None or options.shape is None:
+        missing = "dataset.classes" if options.classes is None else "dataset.shape"
+        raise ConfigError(
+            f"node_data=own: the nodes must agree on the class names in order and the input shape, and {missing} is not set; "
+            f"set dataset.classes=[NAME,...] and dataset.shape=[C,H,W] (or [D]) {fix}"
+        )
+    if len(options.shape) == 3 and cfg.normalize == "dataset" and options.mean is None:
+        raise ConfigError(
+            "node_data=own: the normalisation cannot come from data the server does not hold; set dataset.mean=[...] and "
+            f"dataset.std=[...] (the images' per-channel statistics), or normalize=half {fix}"
+        )
+    if cfg.pool or cfg.test_fraction > 0:
+        raise ConfigError(
+            "node_data=own: each node's test split comes with its data (a test folder or split, or dataset.test_fraction); "
+            "leave pool=false and test_fraction=0"
+        )
+    if cfg.knn_every is not None and cfg.knn_every > 0:
+        raise ConfigError(
+            f"knn_every={cfg.knn_every}: the kNN evaluation needs every client's training data in one place, which "
+            "node_data=own does not have; set knn_every=0"
+        )
 
 
 def resolve_dp(dp: Component, algo_cls: type[Algorithm], algo_params: Any) -> Component:
@@ -262,37 +322,44 @@ def choose_executor(cfg: Config, algo_cls: type[Algorithm], device: torch.device
     return "sequential"
 
 
+def check_vectorizable(requested: Config, cfg: Config, model: FedModel, shape: tuple[int, ...]) -> tuple[Config, list[str]]:
+    """``cfg`` with the sequential executor, and a note saying why, when the vectorized
+    executor that ``executor=auto`` chose cannot train a model of the user's code or of a
+    plugin (:func:`~contrafl.models.custom.vectorizable`); a :class:`ConfigError` when
+    the user asked for ``executor=vectorized``. Built-in models are known to vectorise."""
+    if cfg.executor != "vectorized" or not from_user(cfg.model.name):
+        return cfg, []
+    why = vectorizable(model, shape)
+    if why is None:
+        return cfg, []
+    if requested.executor == "vectorized":
+        raise ConfigError(f"executor=vectorized cannot train model {cfg.model.name}: torch.func fails on it ({why}); use executor=sequential")
+    note = f"executor=auto: torch.func cannot vectorise model {cfg.model.name} ({why}); training clients one at a time (executor=sequential)"
+    return dataclasses.replace(cfg, executor="sequential"), [note]
+
+
 def prepare(cfg: Config, partition: Partition | None = None) -> Setup:
     """Resolve ``cfg`` (:func:`resolve`), load and partition the data (or take
     ``partition``, a run's recorded partition, checked against the data), build the
-    algorithm."""
+    algorithm. With ``node_data=own`` (the server of a federation whose nodes hold their
+    own data) the data are :func:`federation_data`: no training samples, and the
+    ``server_test`` set, if any."""
     requested, cfg = cfg, resolve(cfg)
-    algo_cls = ALGORITHMS.get(cfg.algorithm.name)
-    algo_params = P.build(algo_cls.Params, cfg.algorithm.options, "algorithm")
-    device = torch.device(cfg.device)
+    if cfg.node_data == "own":
+        data = federation_data(cfg)
+        if partition is None:
+            empty = np.zeros(0, dtype=np.int64)
+            partition = Partition("natural", {}, cfg.seed, train=[empty] * cfg.num_clients)
+        check_fits(partition, cfg.num_clients, 0)
+        return build(requested, cfg, data, partition)
     data, _ = load_data(cfg)
     if cfg.pool:
         data = data.pooled()
-    if cfg.normalize == "half" and data.mean is not None:
-        data = dataclasses.replace(data, mean=(0.5,) * len(data.mean), std=(0.5,) * len(data.std))
-    elif cfg.normalize == "none":
-        data = dataclasses.replace(data, mean=None, std=None)
+    data = normalised(cfg, data)
     if data.natural_partition is not None and cfg.partition.name != "natural":
         raise ConfigError(
             f"dataset {data.name} is federated by construction; use partition=natural "
             f"(got partition={cfg.partition.name})"
-        )
-    shape = tuple(data.train.x.shape[1:])
-    why = algo_cls.input_problem(algo_params, shape)
-    if why is not None:
-        raise ConfigError(why)
-    train_transform = augment.AUGMENTATIONS.get(cfg.augment)(data.mean, data.std)
-    why = train_transform.input_problem(shape)
-    if why is not None:
-        fits = "augment=scarf or augment=none" if len(shape) == 1 else "augment=none or a pipeline for these images"
-        raise ConfigError(
-            f"augment={cfg.augment} cannot augment dataset {data.name}: {why}, and its samples have shape "
-            f"{list(shape)}; use {fits} (`contrafl list augmentations`)"
         )
     labels = data.train.y.numpy()
     if cfg.num_clients > len(labels):
@@ -300,8 +367,16 @@ def prepare(cfg: Config, partition: Partition | None = None) -> Setup:
             f"num_clients={cfg.num_clients} is larger than the {len(labels)} training samples of "
             f"{data.name}; choose num_clients <= {len(labels)}"
         )
+    local_tests = None
+    if data.local_test and cfg.partition.name == "natural":
+        if cfg.test_fraction > 0:
+            raise ConfigError(
+                f"dataset {data.name} gives each client its own test data, and test_fraction={cfg.test_fraction:g} "
+                "would split another test part off its training data; leave test_fraction=0"
+            )
+        data, local_tests = data.with_local_tests()
     if partition is not None:
-        check_fits(partition, cfg.num_clients, len(labels))
+        check_fits(partition, cfg.num_clients, len(data.train))
     else:
         partition = make_partition(
             labels,
@@ -313,8 +388,48 @@ def prepare(cfg: Config, partition: Partition | None = None) -> Setup:
             natural=(data.natural_partition or {}).get("train"),
             num_classes=data.num_classes,
         )
+        if local_tests is not None:
+            partition = dataclasses.replace(partition, test=[np.asarray(rows, dtype=np.int64) for rows in local_tests])
+    if cfg.global_eval == "federated" and partition.test is None:
+        raise ConfigError(
+            "global_eval=federated evaluates the global model on the clients' local test splits, and they have none; "
+            "set test_fraction=0.25, or use a dataset whose clients have test data of their own (partition=natural)"
+        )
+    return build(requested, cfg, data, partition)
+
+
+def normalised(cfg: Config, data: FederatedDataset) -> FederatedDataset:
+    """``data`` with the normalisation of ``cfg.normalize``: the dataset's own, ``half``
+    (0.5 / 0.5) or ``none``."""
+    if cfg.normalize == "half" and data.mean is not None:
+        return dataclasses.replace(data, mean=(0.5,) * len(data.mean), std=(0.5,) * len(data.std))
+    if cfg.normalize == "none":
+        return dataclasses.replace(data, mean=None, std=None)
+    return data
+
+
+def build(requested: Config, cfg: Config, data: FederatedDataset, partition: Partition) -> Setup:
+    """The :class:`Setup` of the resolved ``cfg`` on ``data`` and ``partition`` (checked
+    to suit the algorithm and the augmentation); ``requested``: ``cfg`` as given, for
+    the warnings."""
+    algo_cls = ALGORITHMS.get(cfg.algorithm.name)
+    algo_params = P.build(algo_cls.Params, cfg.algorithm.options, "algorithm")
+    device = torch.device(cfg.device)
+    shape = data.input_shape
+    why = algo_cls.input_problem(algo_params, shape)
+    if why is not None:
+        raise ConfigError(why)
+    train_transform = augment.AUGMENTATIONS.get(cfg.augment)(data.mean, data.std)
+    why = train_transform.input_problem(shape)
+    if why is not None:
+        fits = "augment=scarf or augment=none" if len(shape) == 1 else "augment=none or a pipeline for these images"
+        raise ConfigError(
+            f"augment={cfg.augment} cannot augment dataset {data.name}: {why}, and its samples have shape "
+            f"{list(shape)}; use {fits} (`contrafl list augmentations`)"
+        )
     model_factory = functools.partial(init_model, cfg, data, algo_cls, algo_params)
     model = model_factory(derive_seed(cfg.seed, "global-init"))
+    cfg, notes = check_vectorizable(requested, cfg, model, shape)
     federation = Federation(
         num_clients=cfg.num_clients,
         num_classes=data.num_classes,
@@ -337,8 +452,66 @@ def prepare(cfg: Config, partition: Partition | None = None) -> Setup:
         train_transform=train_transform,
         eval_transform=augment.eval_transform(data.mean, data.std),
         device=device,
-        warnings=setup_warnings(requested, cfg, algo_cls, partition),
+        warnings=[*notes, *setup_warnings(requested, cfg, algo_cls, partition)],
     )
+
+
+def federation_data(cfg: Config) -> FederatedDataset:
+    """What the server of a federation whose nodes hold their own data (``node_data=own``,
+    resolved) knows of them: the classes, the input shape and the normalisation the
+    config says, no training samples, and as the test set the ``server_test`` set (none
+    without one: the global model is then evaluated by the clients)."""
+    spec = DATASETS.get(cfg.dataset.name)
+    options = P.build(spec.options, cfg.dataset.options, "dataset")
+    shape = tuple(int(d) for d in options.shape)
+    dtype = torch.uint8 if len(shape) == 3 and options.mean is None and cfg.normalize == "dataset" else torch.float32
+    empty = ArrayDataset(torch.zeros((0, *shape), dtype=dtype), torch.zeros(0, dtype=torch.long))
+    mean = tuple(options.mean) if len(shape) == 3 and options.mean is not None else None
+    std = tuple(options.std) if len(shape) == 3 and options.std is not None else None
+    data = FederatedDataset(spec.name, empty, empty, list(options.classes), mean, std, info={"node_data": "own"})
+    if cfg.server_test is not None:
+        held = spec.load(LoadRequest(data_dir=Path(cfg.server_test), options=options, num_clients=1, seed=cfg.seed))
+        x, y = torch.cat([held.train.x, held.test.x]), torch.cat([held.train.y, held.test.y])
+        data = dataclasses.replace(data, test=ArrayDataset(x, y), info={**data.info, "server_test": cfg.server_test})
+    return normalised(cfg, data)
+
+
+def prepare_node(cfg: Config, data_dir: Path, cid: int) -> Setup:
+    """The setup of client ``cid`` of a federation whose nodes hold their own data
+    (``node_data=own``), on this node's data in ``data_dir`` (in the config's dataset
+    format), read with the classes, shape and normalisation the config says (samples of
+    another class or shape are a :class:`~contrafl.errors.DataError`). As
+    :func:`own_rows` gives a client of a shared dataset: the training split holds its
+    training samples, then its test samples, and the partition gives it those rows and
+    the other clients none."""
+    requested, cfg = cfg, resolve(cfg)
+    spec = DATASETS.get(cfg.dataset.name)
+    options = P.build(spec.options, cfg.dataset.options, "dataset")
+    loaded = spec.load(LoadRequest(data_dir=Path(data_dir), options=options, num_clients=1, seed=cfg.seed))
+    clients = loaded.natural_partition["train"] if loaded.natural_partition is not None else [range(len(loaded.train))]
+    if len(clients) != 1:
+        names = ", ".join((loaded.client_names or [])[:5])
+        raise DataError(
+            f"data={data_dir} holds the data of {len(clients)} clients ({names}); give each SuperNode only its own data"
+        )
+    n_train, n_test = len(loaded.train), len(loaded.test)
+    data = dataclasses.replace(
+        normalised(cfg, loaded),
+        train=ArrayDataset(torch.cat([loaded.train.x, loaded.test.x]), torch.cat([loaded.train.y, loaded.test.y])),
+        test=ArrayDataset(loaded.test.x[:0], loaded.test.y[:0]),
+        natural_partition=None, local_test=False,
+    )
+    empty = np.zeros(0, dtype=np.int64)
+
+    def only(own: np.ndarray) -> list[np.ndarray]:
+        return [own if c == cid else empty for c in range(cfg.num_clients)]
+
+    partition = Partition(
+        "natural", {}, cfg.seed,
+        train=only(np.arange(n_train)),
+        test=only(np.arange(n_train, n_train + n_test)) if n_test else None,
+    )
+    return build(requested, cfg, data, partition)
 
 
 def check_fits(partition: Partition, num_clients: int, num_samples: int) -> None:
@@ -400,7 +573,7 @@ def setup_warnings(requested: Config, cfg: Config, algo_cls: type[Algorithm], pa
     if not algo_cls.samples_clients and requested.sample_fraction < 1:
         out.append(f"{algo_cls.name} trains every client every round; sample_fraction is ignored")
     if cfg.drop_last:
-        small = [cid for cid, rows in enumerate(partition.train) if len(rows) < cfg.batch_size]
+        small = [cid for cid, rows in enumerate(partition.train) if 0 < len(rows) < cfg.batch_size]
         if small:
             shown = ", ".join(map(str, small[:10])) + (", ..." if len(small) > 10 else "")
             out.append(

@@ -150,6 +150,12 @@ class Transport(Protocol):
         without a personal model; clients that cannot be reached may be missing."""
         ...
 
+    def evaluate_model(self, t: int, cids: list[int], state: StateDict) -> Iterable[tuple[int, Scores | None]]:
+        """The model ``state`` (the global model before round ``t``) on each client's own
+        test data (federated evaluation): ``(cid, scores)``; clients that cannot be
+        reached may be missing."""
+        ...
+
 
 def make_executor(name: str, workload: Workload, cfg: Config):
     """The executor ``name`` for ``workload``."""
@@ -238,8 +244,9 @@ class Simulation:
         if run_dir is not None:
             run_dir.write_config(self.cfg)
             run_dir.write_text("partition.json", json.dumps(self.setup.partition.to_json()))
-            counts = {"classes": list(self.setup.data.classes), "counts": self.label_counts.tolist()}
-            run_dir.write_text("label_counts.json", json.dumps(counts))
+            if cfg.node_data != "own":  # the server of a federation does not know its clients' labels
+                counts = {"classes": list(self.setup.data.classes), "counts": self.label_counts.tolist()}
+                run_dir.write_text("label_counts.json", json.dumps(counts))
         status, error = "running", None
         tracking: Tracking | None = None
         try:
@@ -634,12 +641,41 @@ class Simulation:
         ``eval_personal``, every client's model on its own test data."""
         out: dict[str, Any] = {}
         bs, tf = self.cfg.eval_batch_size, self.setup.eval_transform
-        if self.algorithm.evaluates_global and self.algorithm.supervised and len(self.test.y):
-            res = evaluate(self.net, self.server.model, self.test.x, self.test.y, tf, bs)
-            out["test_acc"], out["test_loss"] = res["acc"], res["loss"]
+        if self.algorithm.evaluates_global and self.algorithm.supervised:
+            if self.cfg.global_eval == "federated":
+                out.update(self.evaluate_federated(next_round))
+            elif len(self.test.y):
+                res = evaluate(self.net, self.server.model, self.test.x, self.test.y, tf, bs)
+                out["test_acc"], out["test_loss"] = res["acc"], res["loss"]
         if self.cfg.eval_personal:
             out.update(self.evaluate_clients(next_round))
         return out
+
+    def evaluate_federated(self, next_round: int) -> dict[str, Any]:
+        """Federated evaluation of the global model, as Flower's evaluate round: every
+        client evaluates it on its local test split, and ``test_acc`` is
+        ``sum_i correct_i / sum_i n_i``, ``test_loss`` the sample-weighted mean loss, over
+        the clients that replied (``test_clients``), summed in client order."""
+        evaluate_round = self.transport.evaluate_model if self.transport is not None else self.evaluate_model_locally
+        clients = list(range(self.cfg.num_clients))
+        scores = dict(evaluate_round(next_round, clients, self.server.model))
+        scored = [scores[cid] for cid in clients if scores.get(cid) is not None and scores[cid]["n"]]
+        if not scored:
+            return {}
+        total = sum(res["n"] for res in scored)
+        return {
+            "test_acc": sum(round(res["acc"] * res["n"]) for res in scored) / total,
+            "test_loss": sum(res["loss"] * res["n"] for res in scored) / total,
+            "test_clients": len(scored),
+        }
+
+    def evaluate_model_locally(self, t: int, cids: list[int], state: StateDict) -> Iterator[tuple[int, Scores | None]]:
+        """The model ``state`` on each of ``cids``' local test split, in this process
+        (:meth:`Transport.evaluate_model`)."""
+        test_rows = self.setup.partition.test
+        for cid in cids:
+            rows = torch.as_tensor(test_rows[cid] if test_rows is not None else [], dtype=torch.long, device=self.device)
+            yield cid, evaluate(self.net, state, self.train.x[rows], self.train.y[rows], self.setup.eval_transform, self.cfg.eval_batch_size)
 
     def evaluate_knn(self) -> float:
         """Weighted kNN accuracy of the global model's encoder features ``h``

@@ -36,7 +36,7 @@ from ..algorithms.base import Reply
 from ..config import load_config
 from ..data.partition import Partition
 from ..engine.checkpoint import load_safe, save_atomic
-from ..engine.setup import own_rows, prepare
+from ..engine.setup import own_rows, prepare, prepare_node
 from ..engine.simulation import Scores, Simulation
 from ..engine.validate import check_reply
 from ..errors import ContraflError
@@ -54,7 +54,9 @@ class FlowerClient:
     (default: the config's); its states live in ``state_dir/client-<cid>/`` (default
     ``state_dir``: ``run_dir/flower-clients``)."""
 
-    def __init__(self, run_dir: Path, cid: int, state_dir: Path | None = None, data_dir: Path | None = None) -> None:
+    def __init__(
+        self, run_dir: Path, cid: int, state_dir: Path | None = None, data_dir: Path | None = None, data: Path | None = None,
+    ) -> None:
         self.run_dir = Path(run_dir)
         overrides = ["executor=sequential"] + ([f"data_dir={data_dir}"] if data_dir is not None else [])
         cfg = load_config(self.run_dir / "config.yaml", overrides)
@@ -63,7 +65,16 @@ class FlowerClient:
         self.cid = cid
         if reproducible_noise(cfg):
             print(f"contrafl: warning: client {cid}: {REPRODUCIBLE_WARNING}", file=sys.stderr, flush=True)
-        self.sim = Simulation(own_rows(prepare(cfg, Partition.load(self.run_dir / "partition.json")), cid))
+        if cfg.node_data == "own":
+            if data is None:
+                raise ContraflError("this run's clients hold their own data (node_data=own); set the SuperNode's --node-config data='PATH'")
+            try:
+                setup = prepare_node(cfg, data, cid)
+            except ContraflError as exc:
+                raise ContraflError(f"client {cid}'s data do not fit the federation: {exc}") from None
+        else:
+            setup = own_rows(prepare(cfg, Partition.load(self.run_dir / "partition.json")), cid)
+        self.sim = Simulation(setup)
         self.state_dir = client_state_dir(self.run_dir, cid, state_dir)
 
     @classmethod
@@ -73,13 +84,17 @@ class FlowerClient:
         settings.check()
         if settings.threads is not None:
             torch.set_num_threads(settings.threads)
-        optional = (Path(p) if p is not None else None for p in (settings.state_dir, settings.data_dir))
+        optional = (Path(p) if p is not None else None for p in (settings.state_dir, settings.data_dir, settings.data))
         return cls(Path(settings.run_dir), settings.partition_id, *optional)
 
     def answer(self, kind: str, content: RecordDict) -> RecordDict:
         """The reply content to a ``train`` or ``evaluate`` message's ``content`` (checked
-        to be meant for this client): :meth:`train`'s tree, or :meth:`evaluate`'s scores
-        (``{}`` when the client has no test data)."""
+        to be meant for this client): :meth:`train`'s tree, :meth:`evaluate`'s scores
+        (``{}`` when the client has no test data), or for the evaluation of the global
+        model (``global``) :meth:`evaluate_model`'s; to a ``query``, nothing (the client
+        is loaded: its data fit the run)."""
+        if kind == MessageType.QUERY:
+            return RecordDict()
         request = decode(content)
         if int(request["client"]) != self.cid:
             raise ContraflError(f"a message for client {request['client']} reached the SuperNode of partition {self.cid}")
@@ -87,6 +102,8 @@ class FlowerClient:
         if kind == MessageType.TRAIN:
             tree = self.train(t, message, int(request["checkpointed"]))
             return encode(self.checked(message, tree) if request.get("secure", False) else tree)
+        if request.get("global", False):
+            return encode(self.evaluate_model(t, message["model"]))
         return encode(self.evaluate(t, message) or {})
 
     def checked(self, message: dict[str, Any], tree: dict[str, Any]) -> dict[str, Any]:
@@ -141,6 +158,11 @@ class FlowerClient:
             return {"lost": outcome.lost, **timing}
         reply = outcome.reply
         return {"payload": reply.payload, "num_samples": reply.num_samples, "loss": outcome.loss, "steps": outcome.steps, "parts": outcome.parts, **timing}
+
+    def evaluate_model(self, t: int, state: dict[str, torch.Tensor]) -> Scores:
+        """The global model ``state`` before round ``t + 1`` on the client's test data
+        (federated evaluation)."""
+        return next(iter(self.sim.evaluate_model_locally(t, [self.cid], state)))[1]
 
     def evaluate(self, t: int, message: dict[str, Any]) -> Scores | None:
         """The client's personal model at the start of round ``t + 1`` on its test data."""

@@ -27,7 +27,7 @@ from __future__ import annotations
 import sys
 
 from .node import USER_ERROR, NodeSettings, info_record, number, reported  # first: a clear error when flwr is missing
-from flwr.app import Context, Error, Message
+from flwr.app import Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
 
 from ..errors import ConfigError, ContraflError
@@ -78,8 +78,15 @@ def query(msg: Message, context: Context) -> Message:
     client while the server gets ready."""
     try:
         settings = NodeSettings.of(context)
-        settings.check()
-        if settings.worker:
+        own = settings.check()
+        if own:  # the node's own data are checked before it is used: loaded, with the run's classes and shape
+            if settings.worker:
+                worker.request(settings, msg.metadata.message_type, RecordDict())
+            else:
+                from .client import FlowerClient
+
+                FlowerClient.of(settings)
+        elif settings.worker:
             worker.start(settings)
         problem = None
     except ContraflError as exc:

@@ -26,6 +26,7 @@ from ..engine.run_dir import RunDir, read_summary
 from ..engine.sampling import clients_per_round
 from ..engine.setup import cpu_cores, prepare
 from ..errors import ConfigError, one_line
+from ..files import write_atomic
 from .launch import FlowerLaunchError, LocalDeployment, RunResult, toml_document, toml_string
 from .supernode import POLL_S
 from .auth import make_node_keys
@@ -96,10 +97,49 @@ def check_hosts(server_hosts: Sequence[str], tls: bool) -> None:
         alt_name(host)
 
 
+def check_node_data(cfg: Config, node_data: Sequence[str], required: bool) -> None:
+    """:class:`ConfigError` unless ``node_data`` (each client's own data, in client
+    order) fits ``cfg``: one path per client with ``node_data=own``, none otherwise.
+    ``required``: the SuperNodes run on this machine, which must have the paths;
+    otherwise (``--prepare-only``) they are on the sites' machines, and may be left out
+    (the commands then say ``DATA_K``)."""
+    if cfg.node_data != "own":
+        if node_data:
+            raise ConfigError("--node-data gives each SuperNode its own data, which needs node_data=own in the config; add node_data=own")
+        return
+    if not node_data:
+        if required:
+            raise ConfigError(
+                f"node_data=own: each of the {cfg.num_clients} SuperNodes needs its own data; give --node-data PATH once per client, in client order"
+            )
+        return
+    if len(node_data) != cfg.num_clients:
+        raise ConfigError(f"--node-data is given {len(node_data)} times but num_clients={cfg.num_clients}; give one PATH per client, in client order")
+    for k, where in enumerate(node_data if required else ()):  # --prepare-only: paths on the sites' machines
+        if not Path(where).expanduser().exists():
+            raise ConfigError(f"--node-data {where} (client {k}) does not exist; give the path of that client's data")
+
+
+NODE_DATA = "node-data.json"
+"""The file in a local deployment's ``flower/`` folder listing its SuperNodes' own data."""
+
+
+def recorded_node_data(path: Path) -> list[str]:
+    """The SuperNodes' own data of the local deployment in ``path`` (:func:`deploy`)."""
+    file = Path(path) / "flower" / NODE_DATA
+    try:
+        paths = json.loads(file.read_text())
+    except (OSError, ValueError):
+        raise ConfigError(f"--resume {path}: {file} does not list its SuperNodes' data; start the run again with --node-data") from None
+    if not isinstance(paths, list) or not all(isinstance(p, str) for p in paths):
+        raise ConfigError(f"--resume {path}: {file} is not a list of paths; start the run again with --node-data")
+    return paths
+
+
 def deploy(
     cfg: Config, path: Path, *, prepared: bool = False, tls: bool = False, auth: bool = False, round_timeout: float = 600.0,
     min_replies: int = 1, secure_aggregation: bool = False, supernode_poll: float = POLL_S, timeout: float | None = None,
-    echo: TextIO | None = None,
+    echo: TextIO | None = None, node_data: Sequence[str] = (),
 ) -> RunResult:
     """Run ``cfg`` on a SuperLink and ``num_clients`` SuperNodes on this machine, the
     Flower processes' homes and logs in ``path/flower``; the run directory is ``path``.
@@ -109,17 +149,26 @@ def deploy(
     The SuperNodes are ``contrafl-supernode`` s that wait at most ``supernode_poll``
     seconds between their pulls of messages (:mod:`contrafl.flower.supernode`). ``tls``
     and ``auth``: :class:`~contrafl.flower.launch.LocalDeployment`'s; ``secure_aggregation``:
-    the training rounds run through SecAgg+ (:mod:`contrafl.flower.secagg`).
+    the training rounds run through SecAgg+ (:mod:`contrafl.flower.secagg`); ``node_data``:
+    with ``node_data=own``, each client's own data, in client order (node config ``data``).
 
     When the deployment ends before the run does (its SuperLink or ServerApp died, or
     the caller was interrupted), the processes are stopped and ``summary.json`` says so
     (:func:`record_stop`) instead of ``running``; the checkpoint is kept for a resume."""
     check_settings(cfg, round_timeout, min_replies, secure_aggregation)
+    check_node_data(cfg, node_data, required=True)
     if not prepared:
         cfg = prepare_run(cfg, path)
+    node_configs = shared_cores(cfg.num_clients)
+    for config, where in zip(node_configs, node_data):
+        config["data"] = str(Path(where).expanduser().resolve())
+    if node_data:  # for contrafl deploy --resume (this machine's SuperNodes; config.yaml names no data)
+        (Path(path) / "flower").mkdir(parents=True, exist_ok=True)
+        listing = json.dumps([c["data"] for c in node_configs]).encode()
+        write_atomic(Path(path) / "flower" / NODE_DATA, lambda f: f.write(listing))
     try:
         with LocalDeployment(
-            Path(path) / "flower", cfg.num_clients, tls=tls, auth=auth, node_configs=shared_cores(cfg.num_clients), supernode_poll=supernode_poll,
+            Path(path) / "flower", cfg.num_clients, tls=tls, auth=auth, node_configs=node_configs, supernode_poll=supernode_poll,
         ) as deployment:
             rc = run_config(path, round_timeout, min_replies, secure_aggregation=secure_aggregation)
             return deployment.run(APP_DIR, rc, timeout=timeout, echo=echo)
@@ -153,7 +202,7 @@ def record_stop(path: Path, exc: BaseException) -> None:
         run_dir.close()
 
 
-def shared_cores(num_nodes: int) -> list[dict[str, int]]:
+def shared_cores(num_nodes: int) -> list[dict[str, int | str]]:
     """Node configs for ``num_nodes`` SuperNodes on this machine: each client's torch
     gets an equal share of the cores (more threads than cores make every client wait
     for the others' spinning threads)."""
@@ -183,6 +232,7 @@ SUPEREXEC_HOST = "127.0.0.1"
 def commands(
     path: Path, cfg: Config, round_timeout: float = 600.0, min_replies: int = 1, *,
     server_hosts: Sequence[str] = (), tls: bool = False, auth: bool = False, secure_aggregation: bool = False,
+    node_data: Sequence[str] = (),
 ) -> str:
     """How to run the prepared run directory ``path`` of the resolved config ``cfg`` on a
     Flower deployment of one's own (SuperLink and SuperNodes on any machines): the
@@ -195,7 +245,9 @@ def commands(
     year) and used. ``auth`` (needs ``tls``): SuperNode authentication, with a key pair
     per client in ``path/flower/keys`` (:func:`contrafl.flower.auth.make_node_keys`):
     the commands register the public keys with the SuperLink and give each SuperNode
-    its private key."""
+    its private key. ``node_data`` (``node_data=own``): each client's own data on its
+    machine, in client order (default: ``DATA_K``), named in its command; such a client's
+    machine needs only ``config.yaml`` of the run directory."""
     if auth and not tls:
         raise ConfigError("SuperNode authentication needs TLS (flwr 1.41 refuses --enable-supernode-auth with --insecure); drop --insecure, or add --no-auth")
     check_settings(cfg, round_timeout, min_replies, secure_aggregation)
@@ -205,9 +257,12 @@ def commands(
     rc.write_text(toml_document(run_config(path, round_timeout, min_replies, secure_aggregation=secure_aggregation)))
     server = server_hosts[0] if server_hosts else "SERVER"
     address = f"[{server}]:{SUPERLINK_PORT}" if ":" in server else f"{server}:{SUPERLINK_PORT}"
+    check_node_data(cfg, node_data, required=False)
+    own = cfg.node_data == "own"
     threads = simulator_threads(cfg)
-    node_config = "partition-id=K run-dir='RUN_DIR'" + (" data-dir='DATA_DIR'" if cfg.data_dir else "") + f" threads={threads}"
-    copies = "config.yaml and partition.json"
+    data_setting = " data='DATA_K'" if own else (" data-dir='DATA_DIR'" if cfg.data_dir else "")
+    node_config = "partition-id=K run-dir='RUN_DIR'" + data_setting + f" threads={threads}"
+    copies = "config.yaml" if own else "config.yaml and partition.json"
     if tls:
         named = list(dict.fromkeys([*server_hosts, SUPEREXEC_HOST]))
         certs = make_certificates(path / "flower" / "certs", named, valid_for=CERTIFICATES_VALID)
@@ -217,7 +272,7 @@ def commands(
         )
         node_security = "--root-certificates RUN_DIR/flower/certs/ca.crt"
         cli_security = f"root-certificates = {toml_string(str(certs.ca_cert))}"
-        copies = "config.yaml, partition.json and flower/certs/ca.crt"
+        copies = f"{copies.replace(' and ', ', ')} and flower/certs/ca.crt"
         secured = (
             f" (TLS: certificates for {', '.join(named)} in {certs.ca_cert.parent}, valid for {CERTIFICATES_VALID.days} days;"
             f" {SUPEREXEC_HOST} is where the SuperLink's own SuperExec dials it)"
@@ -239,15 +294,25 @@ def commands(
             f"    flwr supernode register {shlex.quote(str(path / 'flower' / 'keys'))}/node-K.pub CONNECTION",
         ]
     step = 3 if auth else 2
+    supernode = f"    FLWR_HOME=NODE_HOME flower-supernode {node_security} --superlink {address} --port {SUPERNODE_PORT} --node-config \"{node_config}\""
+    if own and node_data:
+        supernode = "\n".join(
+            supernode.replace("DATA_K", str(where)).replace("node-K", f"node-{k}").replace("partition-id=K", f"partition-id={k}")
+            for k, where in enumerate(node_data)
+        )
+    where_data = (
+        ", its own data in DATA_K (node_data=own: no other machine holds them, and it needs no partition.json)" if own
+        else ", the dataset in DATA_DIR" if cfg.data_dir else ""
+    )
     return "\n".join([
         f"The run directory {path} is ready. On a Flower deployment of your own (flwr 1.41; contrafl[flower] and the same torch on every machine):",
         f"  1. on the server machine, the SuperLink on port {SUPERLINK_PORT} of every interface{secured}:",
         f"    flower-superlink {link_security} --disable-runtime-dependency-installation --host 0.0.0.0 --port {SUPERLINK_PORT}",
         *register,
         f"  {step}. for each client K = 0..{last}, on its machine: {copies} of the run directory copied to RUN_DIR (same places)"
-        + (", the dataset in DATA_DIR" if cfg.data_dir else "")
-        + f", a FLWR_HOME of its own (NODE_HOME) and, for SuperNodes sharing a machine, a --port each:",
-        f"    FLWR_HOME=NODE_HOME flower-supernode {node_security} --superlink {address} --port {SUPERNODE_PORT} --node-config \"{node_config}\"",
+        + where_data
+        + ", a FLWR_HOME of its own (NODE_HOME) and, for SuperNodes sharing a machine, a --port each:",
+        supernode,
         f"     (threads={threads}: each client's torch threads in `contrafl run` of this config on this machine, executor={cfg.executor}; its metrics bit for bit need the same)",
         f"  {step + 1}. once every SuperNode is up, from a machine whose $FLWR_HOME/config.toml names the SuperLink as CONNECTION (address = \"{address}\", {cli_security}):",
         f"    flwr run {shlex.quote(str(APP_DIR))} CONNECTION --stream --run-config {shlex.quote(str(rc))}",

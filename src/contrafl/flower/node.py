@@ -7,7 +7,10 @@ Node config keys, for SuperNodes on other machines than the server:
 * ``partition-id``: the client the SuperNode serves (required);
 * ``run-dir``: this machine's copy of the run directory (its ``config.yaml`` and
   ``partition.json`` are all a client reads); default: the run config's;
-* ``data-dir``: where this machine has the dataset; default: the config's ``data_dir``;
+* ``data-dir``: where this machine has the dataset (``node_data=shared``); default: the
+  config's ``data_dir``;
+* ``data``: this node's own data, in the run's dataset format (``node_data=own``: each
+  node holds only its own data and needs no ``partition.json``; required there);
 * ``state-dir``: where the client keeps its state; default: ``<run-dir>/flower-clients``;
 * ``threads``: torch's intra-op threads for the client (several SuperNodes on one
   machine share its cores); default: torch's (all cores);
@@ -71,6 +74,8 @@ class NodeSettings:
     data_dir: str | None
     threads: int | None
     worker: bool = True
+    data: str | None = None
+    """The node's own data (``node_data=own``)."""
 
     @classmethod
     def of(cls, context: Context) -> NodeSettings:
@@ -92,30 +97,51 @@ class NodeSettings:
         else:
             run_dir = str(context.run_config["run-dir"])
             setting = f"run-dir='{run_dir}' (the server's; the node config sets no run-dir)"
-        return cls(cid, run_dir, setting, path("state-dir"), path("data-dir"), threads, flag(node, "worker", True))
+        return cls(
+            cid, run_dir, setting, path("state-dir"), path("data-dir"), threads, flag(node, "worker", True), path("data"),
+        )
 
-    def check(self) -> None:
-        """:class:`ConfigError` unless the run directory has the run's files, the
-        partition is one of its clients and a ``data-dir`` given exists (what a SuperNode
-        can tell without loading the data)."""
+    def check(self) -> bool:
+        """Whether the run's nodes hold their own data (``node_data=own``);
+        :class:`ConfigError` unless the run directory has the run's files, the partition
+        is one of its clients and the data the node config names exist (what a
+        SuperNode can tell without loading the data)."""
         run_dir = Path(self.run_dir)
+        if not (run_dir / "config.yaml").is_file():
+            missing = [name for name in ("config.yaml", "partition.json") if not (run_dir / name).is_file()]
+            raise ConfigError(
+                f"{self.run_dir_setting}: no {' and no '.join(missing)} there; copy config.yaml and partition.json "
+                "of the server's run directory (config.yaml alone where each node holds its own data) to this machine and "
+                "restart the SuperNode with --node-config run-dir set to their folder"
+            )
+        cfg = load_config(run_dir / "config.yaml")
+        own = cfg.node_data == "own"
+        restart = "restart the SuperNode with --node-config \"partition-id=K data='PATH' ...\""
+        if own and self.data is None:
+            raise ConfigError(f"this run's clients hold their own data (node_data=own), and the node config names none; {restart}, PATH this client's data")
+        if own and not Path(self.data).exists():
+            raise ConfigError(f"node config data='{self.data}' does not exist on this machine; {restart}, PATH this client's data")
+        if not own and self.data is not None:
+            raise ConfigError(
+                f"node config data='{self.data}' names a node's own data, but this run shares one dataset (node_data=shared); "
+                "restart the SuperNode with data-dir='DIR' (the dataset's folder) instead"
+            )
         if self.data_dir is not None and not Path(self.data_dir).is_dir():
             raise ConfigError(
                 f"node config data-dir='{self.data_dir}' is not a folder; copy the dataset files to this machine "
                 "and restart the SuperNode with --node-config data-dir set to their folder"
             )
-        missing = [name for name in ("config.yaml", "partition.json") if not (run_dir / name).is_file()]
-        if missing:
+        if not own and not (run_dir / "partition.json").is_file():
             raise ConfigError(
-                f"{self.run_dir_setting}: no {' and no '.join(missing)} there; copy config.yaml and partition.json "
+                f"{self.run_dir_setting}: no partition.json there; copy config.yaml and partition.json "
                 "of the server's run directory to this machine and restart the SuperNode with --node-config run-dir set to their folder"
             )
-        clients = load_config(run_dir / "config.yaml").num_clients
-        if not 0 <= self.partition_id < clients:
+        if not 0 <= self.partition_id < cfg.num_clients:
             raise ConfigError(
-                f"node config partition-id={self.partition_id} is not a client of the run (0..{clients - 1}); "
+                f"node config partition-id={self.partition_id} is not a client of the run (0..{cfg.num_clients - 1}); "
                 "restart the SuperNode with the partition-id of the client it serves"
             )
+        return own
 
     def as_dict(self) -> dict[str, Any]:
         """The settings as JSON values (:meth:`from_dict` reads them back)."""

@@ -109,7 +109,20 @@ class GridTransport:
     ) -> Iterator[tuple[int, Scores | None]]:
         """Evaluate messages to the nodes of ``cids``; the scores of those that reply
         within ``round_timeout``."""
-        cid_of, _ = self.send(t, cids, message_for, MessageType.EVALUATE, {})
+        return self.evaluations(t, cids, message_for, {})
+
+    def evaluate_model(self, t: int, cids: list[int], state: dict[str, Any]) -> Iterator[tuple[int, Scores | None]]:
+        """Evaluate messages carrying the model ``state`` (``global``) to the nodes of
+        ``cids``, which evaluate it on their own test data; the scores of those that reply
+        within ``round_timeout``."""
+        return self.evaluations(t, cids, lambda _: {"model": state}, {"global": True})
+
+    def evaluations(
+        self, t: int, cids: list[int], message_for: Callable[[int], dict[str, Any]], extra: dict[str, Any]
+    ) -> Iterator[tuple[int, Scores | None]]:
+        """Evaluate messages of ``message_for`` (and ``extra``) to the nodes of ``cids``;
+        the scores of those that reply within ``round_timeout``."""
+        cid_of, _ = self.send(t, cids, message_for, MessageType.EVALUATE, extra)
         for reply in self.replies(list(cid_of), self.round_timeout):
             cid = cid_of[reply.metadata.reply_to_message_id]
             if reply.has_error():

@@ -71,7 +71,7 @@ def address(settings: NodeSettings, owner: int) -> Path:
     """The socket of the worker for ``settings`` (checked: the run's files exist) whose
     ClientApps ``owner`` starts."""
     run = Path(settings.run_dir)
-    files = [(s.st_size, s.st_mtime_ns) for s in ((run / name).stat() for name in ("config.yaml", "partition.json"))]
+    files = [(s.st_size, s.st_mtime_ns) for s in ((run / name).stat() for name in ("config.yaml", "partition.json") if (run / name).is_file())]
     key = json.dumps([settings.as_dict(), owner, files, sys.executable], sort_keys=True)
     return worker_dir() / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.sock"
 

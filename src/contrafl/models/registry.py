@@ -38,24 +38,43 @@ class ModelSpec:
         features: ``(input_shape, options) -> (encoder, feature_dim)``; the encoder maps a
             batch of inputs to a flat ``[B, feature_dim]`` representation.
         options: dataclass of backbone-specific options.
-        inputs: ``"image"`` (``[C, H, W]`` inputs) or ``"vector"`` (``[D]`` inputs, images
-            are flattened).
+        inputs: ``"image"`` (``[C, H, W]`` inputs), ``"vector"`` (``[D]`` inputs, images
+            are flattened) or ``"any"`` (the backbone takes any shape, or checks it).
+        make_options: ``options -> instance``: validates the backbone's options itself
+            instead of :attr:`options` (a user factory, whose signature decides).
+        takes_num_classes: ``features`` also takes ``num_classes=...``.
     """
 
     name: str
     summary: str
-    features: Callable[[tuple[int, ...], Any], tuple[nn.Module, int]]
+    features: Callable[..., tuple[nn.Module, int]]
     options: type = P.NoOptions
     inputs: str = "image"
+    make_options: Callable[[Mapping[str, Any]], Any] | None = None
+    takes_num_classes: bool = False
 
 
-MODELS: Registry[ModelSpec] = Registry("model")
+MODELS: Registry[ModelSpec] = Registry("model", "contrafl.models", ModelSpec)
+
+
+def model_spec(name: str) -> ModelSpec:
+    """The model ``model=name`` names: a registered one (built-in or plugin), or with a
+    ``:`` the encoder of the user's factory ``MODULE:FACTORY`` / ``FILE.py:FACTORY``
+    (:mod:`contrafl.models.custom`)."""
+    if ":" in name:
+        from .custom import user_spec
+
+        return user_spec(name)
+    return MODELS.get(name)
 
 
 def split_options(spec: ModelSpec, options: Mapping[str, Any] | None) -> tuple[HeadOptions, Any]:
     """Validate ``model.*`` options into head options and backbone options."""
     options = dict(options or {})
     head_keys = {f.name for f in dataclasses.fields(HeadOptions)}
+    if spec.make_options is not None:
+        head = P.build(HeadOptions, {k: v for k, v in options.items() if k in head_keys}, "model")
+        return head, spec.make_options({k: v for k, v in options.items() if k not in head_keys})
     own_keys = {f.name for f in dataclasses.fields(spec.options)}
     unknown = [k for k in options if k not in head_keys | own_keys]
     if unknown:
@@ -80,14 +99,15 @@ def build_model(
 
     The caller controls the random initialisation (seed the global RNG first).
     """
-    spec = MODELS.get(name)
+    spec = model_spec(name)
     head, own = split_options(spec, options)
     if spec.inputs == "image" and len(input_shape) != 3:
         raise ConfigError(
             f"model '{name}' needs image inputs [C, H, W] but the dataset gives samples of "
             f"shape {list(input_shape)}; choose a vector model such as model=mlp"
         )
-    encoder, feature_dim = spec.features(tuple(input_shape), own)
+    extra = {"num_classes": num_classes} if spec.takes_num_classes else {}
+    encoder, feature_dim = spec.features(tuple(input_shape), own, **extra)
     return FedModel(
         encoder,
         feature_dim,

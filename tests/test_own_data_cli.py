@@ -1,0 +1,135 @@
+"""A user's own data and model through the command line: an image tree of three sites
+with different class mixes, an npz of arrays, a Hugging Face dataset saved to disk, a
+PFLlib-layout folder, a LEAF-layout folder and an encoder of the user's own, each with
+MOON, FedCRL and FedU2 (`contrafl run`), and the README's commands as written."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from contrafl.cli import main
+from test_user_datasets import leaf_file, pfllib_dataset
+
+ALGORITHMS = {
+    "moon": ["model.projection_dim=8"],
+    "fedcrl": ["model.projection_dim=8"],
+    "fedu2": ["model.projection_hidden=16", "model.projection_dim=8", "knn_k=5"],
+}
+COMMON = ["num_clients=3", "rounds=1", "local_epochs=1", "batch_size=4", "executor=sequential"]
+RNG = np.random.default_rng(0)
+
+
+def image_tree(folder: Path, counts: dict[str, int], size: int = 8) -> None:
+    for c, n in counts.items():
+        (folder / c).mkdir(parents=True)
+        for i in range(n):
+            Image.fromarray(RNG.integers(0, 256, (size, size, 3), dtype=np.uint8)).save(folder / c / f"{i}.png")
+
+
+def sites(root: Path) -> Path:
+    """Three sites with different class mixes, each with its own test folder."""
+    for name, classes in {"site-a": ["cat", "dog"], "site-b": ["dog", "owl"], "site-c": ["cat", "dog", "owl"]}.items():
+        image_tree(root / "clients" / name / "train", dict.fromkeys(classes, 6))
+        image_tree(root / "clients" / name / "test", dict.fromkeys(classes, 2))
+    return root
+
+
+def arrays(path: Path) -> Path:
+    np.savez(path, x_train=RNG.integers(0, 256, (40, 8, 8, 3), dtype=np.uint8), y_train=np.arange(40) % 4,
+             x_test=RNG.integers(0, 256, (12, 8, 8, 3), dtype=np.uint8), y_test=np.arange(12) % 4,
+             classes=np.array(["a", "b", "c", "d"]))
+    return path
+
+
+def huggingface(path: Path) -> Path:
+    datasets = pytest.importorskip("datasets")
+    pictures = [Image.fromarray(RNG.integers(0, 256, (8, 8, 3), dtype=np.uint8)) for _ in range(48)]
+    features = datasets.Features({"img": datasets.Image(), "label": datasets.ClassLabel(names=["ant", "bee", "cat"])})
+    data = datasets.Dataset.from_dict({"img": pictures, "label": [i % 3 for i in range(48)]}, features=features)
+    datasets.DatasetDict({"train": data.select(range(36)), "test": data.select(range(36, 48))}).save_to_disk(str(path))
+    return path
+
+
+def leaf(root: Path) -> Path:
+    users = {"f0001": (12, 0), "f0002": (10, 2), "f0003": (9, 4)}
+    leaf_file(root / "train" / "all_data_0_niid_0_keep_0_train_9.json", users, dim=64)
+    leaf_file(root / "test" / "all_data_0_niid_0_keep_0_test_9.json", {u: (4, first) for u, (_, first) in users.items()}, dim=64)
+    return root
+
+
+ENCODER = '''\
+from torch import nn
+
+
+def encoder(width: int = 16):
+    """A small convolutional encoder of the user's: [B, 3, H, W] -> [B, width]."""
+    return nn.Sequential(nn.Conv2d(3, width, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten())
+'''
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory) -> dict[str, list[str]]:
+    """Each source's settings: the data, and for SSL a two-view augmentation that fits."""
+    root = tmp_path_factory.mktemp("own")
+    (root / "nets.py").write_text(ENCODER)
+    images, vectors = ["augment=flip"], ["augment=scarf"]
+    return {
+        "folder": ["dataset=folder", f"data_dir={sites(root / 'sites')}", "partition=natural", "model=mlp", *images],
+        "arrays": ["dataset=arrays", f"data_dir={arrays(root / 'arrays.npz')}", "partition=iid", *images],
+        "huggingface": ["dataset=huggingface", f"data_dir={huggingface(root / 'hf')}", "partition=dirichlet", "partition.min_size=2", *images],
+        "pfllib": ["dataset=pfllib", f"data_dir={pfllib_dataset_in(root / 'pfllib')}", "partition=natural", *images],
+        "leaf": ["dataset=leaf", f"data_dir={leaf(root / 'leaf')}", "partition=natural", *vectors],
+        "encoder": ["dataset=folder", f"data_dir={root / 'sites'}", "partition=natural", f"model={root / 'nets.py'}:encoder", "model.width=8", *images],
+    }
+
+
+def pfllib_dataset_in(root: Path) -> Path:
+    pfllib_dataset(root, [(12, 4), (9, 3), (10, 3)], num_classes=3, shape=(3, 8, 8))
+    return root
+
+
+@pytest.mark.parametrize("algorithm", list(ALGORITHMS))
+@pytest.mark.parametrize("source", ["folder", "arrays", "huggingface", "pfllib", "leaf", "encoder"])
+def test_moon_fedcrl_and_fedu2_run_on_the_users_data_and_model(tmp_path, sources, source, algorithm):
+    out = tmp_path / "run"
+    settings = [f"algorithm={algorithm}", *COMMON, *ALGORITHMS[algorithm], *sources[source]]
+    if algorithm != "fedu2":
+        settings = [s for s in settings if not s.startswith("augment=")]
+    assert main(["run", "--quiet", "--out", str(out), *settings]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["rounds_completed"] == 1
+    row = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+    measured = {"moon": "test_acc", "fedcrl": "personal_acc", "fedu2": "knn_acc"}[algorithm]
+    assert 0 <= row[measured] <= 1
+    labels = json.loads((out / "label_counts.json").read_text())
+    if source in ("folder", "encoder"):
+        assert labels["classes"] == ["cat", "dog", "owl"] and [sum(c) for c in labels["counts"]] == [12, 12, 18]
+
+
+def readme_commands() -> list[str]:
+    section = Path(__file__).parents[1].joinpath("README.md").read_text().split("## Your own data and model")[1].split("\n## ")[0]
+    block = section.split("```bash\n")[1].split("```")[0]
+    return [line for line in block.splitlines() if line.strip()]
+
+
+def test_the_readmes_own_data_commands_run_as_written(tmp_path, monkeypatch, sources):
+    """The README's three commands, run in a folder holding the files they name (a
+    shorter run: rounds=1 and fewer clients)."""
+    monkeypatch.chdir(tmp_path)
+    image_tree(tmp_path / "my-images" / "train", dict.fromkeys(["a", "b"], 10), size=32)
+    Path("nets.py").write_text(ENCODER)
+    arrays(tmp_path / "my-arrays.npz")
+    huggingface(tmp_path / "my-hf-dataset")
+    commands = readme_commands()
+    assert len(commands) == 3
+    for command in commands:
+        args = command.split()[1:] + ["rounds=1", "num_clients=2", "batch_size=4", "executor=sequential", "partition.min_size=2"]
+        assert main(args) == 0, command
+    assert len(list(Path("runs").iterdir())) >= 3
+    assert re.search(r"model=\./nets\.py:encoder", commands[0])
