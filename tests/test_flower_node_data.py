@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from types import SimpleNamespace
 from pathlib import Path
 
 import numpy as np
@@ -81,3 +82,46 @@ def test_sites_with_their_own_folders_equal_the_simulation_and_a_node_that_does_
         assert sorted(p.name for p in (tmp_path / f"node-{k}" / "run" / "flower-clients" / f"client-{k}").iterdir()) == ["round-1.pt", "round-2.pt"]
         assert not (tmp_path / f"node-{k}" / "run" / "partition.json").exists()
     assert not (run / "label_counts.json").exists()
+
+
+def walkthrough() -> list[str]:
+    """The commands of docs/flower.md's "Three sites, three folders", continued lines joined."""
+    section = (Path(__file__).parents[1] / "docs" / "flower.md").read_text().split("## Three sites, three folders")[1].split("\n## ")[0]
+    return [block.split("```")[0].replace("\\\n", " ") for block in section.split("```bash\n")[1:]]
+
+
+def test_the_three_sites_walkthrough_as_written(tmp_path, monkeypatch, capsys):
+    """docs/flower.md's commands in a folder holding `sites/clients/site-{a,b,c}` (one
+    round instead of 20): the simulation runs; the deployment on this machine starts
+    its SuperNodes with each site's folder over TLS (the test above runs such a
+    deployment to the simulation's metrics); the several-machines commands give one
+    SuperNode command per site, with its own data and no partition.json."""
+    monkeypatch.chdir(tmp_path)
+    classes = ["benign", "malignant", "normal"]
+    for k, site in enumerate(["site-a", "site-b", "site-c"]):
+        for split, n in (("train", 4), ("test", 1)):
+            for c in classes[k:] if k else classes[:2]:
+                (tmp_path / "sites" / "clients" / site / split / c).mkdir(parents=True, exist_ok=True)
+                for i in range(n):
+                    Image.fromarray(np.full((32, 32, 3), 40 * (k + 1) + i, np.uint8)).save(tmp_path / "sites" / "clients" / site / split / c / f"{i}.png")
+    simulate, deploy, prepare_only = (command.replace("rounds=20", "rounds=1").split()[1:] for command in walkthrough())
+    assert main(simulate) == 0
+    assert '"test_acc"' in (tmp_path / "runs" / "sites-sim" / "metrics.jsonl").read_text()
+
+    started = {}
+
+    def deployment(cfg, path, **options):  # what contrafl deploy starts, recorded instead
+        started.update(cfg=cfg, path=path, **options)
+        return SimpleNamespace(run_id=1, status="finished:completed", seconds=0.0)
+
+    monkeypatch.setattr("contrafl.flower.deploy.deploy", deployment)
+    assert main(deploy) == 0
+    assert started["tls"] and started["cfg"].node_data == "own" and started["cfg"].data_dir is None
+    assert started["node_data"] == [f"sites/clients/{s}" for s in ("site-a", "site-b", "site-c")]
+    assert load_config(tmp_path / "runs" / "sites" / "config.yaml").dataset.options["classes"] == classes
+
+    assert main(prepare_only + ["--out", str(tmp_path / "runs" / "sites-remote")]) == 0
+    printed = capsys.readouterr().out
+    nodes = [line.strip() for line in printed.splitlines() if line.strip().startswith("FLWR_HOME=")]
+    assert len(nodes) == 3 and all(f"partition-id={k} run-dir='RUN_DIR' data='/srv/images'" in nodes[k] for k in range(3))
+    assert "on its machine: config.yaml, flower/certs/ca.crt and its private key" in printed and "needs no partition.json" in printed

@@ -20,6 +20,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from contrafl.config import load_config
+from contrafl.data.base import FederatedDataset
 from contrafl.data.registry import DATASETS, DatasetSpec, LoadRequest
 from contrafl.data.user import CommonOptions, Part, assemble, natural_key
 from contrafl.engine.run_dir import RunDir
@@ -52,7 +53,7 @@ def read_part(folder: Path, name: str) -> Part:
     )
 
 
-def load_sites(req: LoadRequest) -> "FederatedDataset":  # noqa: F821
+def load_sites(req: LoadRequest) -> FederatedDataset:
     """``ROOT/clients/<name>/`` (one client each, natural), or ``ROOT`` itself (one client)."""
     root = Path(req.data_dir)
     if (root / "clients").is_dir():
@@ -217,3 +218,16 @@ def test_prepare_only_prints_each_nodes_command_with_its_own_data(tmp_path, site
         assert f"partition-id={k} run-dir='RUN_DIR' data='{where}'" in text
     assert "partition.json" not in text.split("for each client")[1].split("\n")[0].replace("needs no partition.json", "")
     assert not dataclasses.asdict(cfg)["data_dir"]
+
+
+def test_secure_aggregation_is_refused_where_the_server_does_not_know_the_largest_client(tmp_path, sites):
+    from contrafl.flower.deploy import check_settings
+
+    with pytest.raises(ConfigError, match="largest client's sample count.*without --secure-aggregation"):
+        check_settings(resolve_own("fedavg"), 600, 3, secure_aggregation=True)
+
+
+def resolve_own(algorithm: str):
+    from contrafl.engine.setup import resolve
+
+    return resolve(federation_config(algorithm))

@@ -133,3 +133,28 @@ def test_the_readmes_own_data_commands_run_as_written(tmp_path, monkeypatch, sou
         assert main(args) == 0, command
     assert len(list(Path("runs").iterdir())) >= 3
     assert re.search(r"model=\./nets\.py:encoder", commands[0])
+
+
+@pytest.mark.slow
+def test_a_killed_run_on_the_users_folders_and_encoder_resumes_exactly(tmp_path, sources):
+    """Killed in its second round (a subprocess, SIGKILL), resumed: the metrics of the run
+    that was not interrupted, byte for byte; then `report` and `eval-repr` read it."""
+    from test_resume import _killed_run
+
+    settings = ["algorithm=moon", *COMMON, "rounds=3", "model.projection_dim=8", *sources["encoder"][:-1]]
+    assert main(["run", "--quiet", "--out", str(tmp_path / "clean"), *settings]) == 0
+    run = tmp_path / "run"
+    _killed_run(run, "round", 3 + 2, settings)  # round 2, two of the three clients done
+    assert json.loads((run / "summary.json").read_text())["rounds_completed"] == 1
+    assert main(["run", "--quiet", "--resume", str(run)]) == 0
+    assert (run / "metrics.jsonl").read_bytes() == (tmp_path / "clean" / "metrics.jsonl").read_bytes()
+    assert main(["report", str(run)]) == 0
+    assert main(["eval-repr", str(run), "--protocol", "knn"]) == 0
+
+
+def test_a_sweep_over_the_users_arrays(tmp_path, sources):
+    spec = tmp_path / "s.yaml"
+    base = dict(s.split("=", 1) for s in [*COMMON, *sources["arrays"][:-1]])
+    spec.write_text(json.dumps({"base": base, "grid": {"algorithm": ["fedavg", "moon"]}}))
+    assert main(["sweep", str(spec), "--out", str(tmp_path / "out"), "--workers", "1"]) == 0
+    assert "| 1 completed |" in (tmp_path / "out" / "results.md").read_text()

@@ -72,6 +72,11 @@ def check_settings(cfg: Config, round_timeout: float, min_replies: int, secure_a
         )
     if not 0 <= min_replies <= cfg.num_clients:
         raise ConfigError(f"min_replies={min_replies} must be between 0 and num_clients={cfg.num_clients}")
+    if secure_aggregation and cfg.node_data == "own":
+        raise ConfigError(
+            "secure aggregation quantises each client's weight by the largest client's sample count, which the server of "
+            "node_data=own does not know (and must not learn from the masked sums); deploy without --secure-aggregation"
+        )
     if secure_aggregation:
         from ..algorithms import ALGORITHMS
         from .secagg import refusal, round_refusal
@@ -301,7 +306,8 @@ def commands(
             for k, where in enumerate(node_data)
         )
     where_data = (
-        ", its own data in DATA_K (node_data=own: no other machine holds them, and it needs no partition.json)" if own
+        f", its own data in {'the path its command names' if node_data else 'DATA_K'} (node_data=own: no other machine holds them, "
+        "and it needs no partition.json)" if own
         else ", the dataset in DATA_DIR" if cfg.data_dir else ""
     )
     return "\n".join([

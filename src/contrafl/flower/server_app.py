@@ -38,6 +38,8 @@ def main(grid: Grid, context: Context) -> None:
         print(f"contrafl: warning: {REPRODUCIBLE_WARNING}", flush=True)
     secure = bool(rc.get("secure-aggregation", False))
     why = refusal(type(setup.algorithm), setup.algorithm.params, setup.config) if secure else None
+    if secure and setup.config.node_data == "own":
+        why = "the weights are quantised by the largest client's sample count, which the server of node_data=own does not know"
     if why is not None:  # a run config written by hand: contrafl deploy refuses it before
         raise ContraflError(f"secure aggregation shows the server only the mean of the updates, but {why}; run without secure-aggregation")
     sim = resume(setup, run_dir, Progress(setup.config.rounds))
