@@ -158,3 +158,15 @@ def test_a_sweep_over_the_users_arrays(tmp_path, sources):
     spec.write_text(json.dumps({"base": base, "grid": {"algorithm": ["fedavg", "moon"]}}))
     assert main(["sweep", str(spec), "--out", str(tmp_path / "out"), "--workers", "1"]) == 0
     assert "| 1 completed |" in (tmp_path / "out" / "results.md").read_text()
+
+
+def test_an_encoder_file_imports_the_modules_beside_it(tmp_path, monkeypatch):
+    """`model=models/nets.py:encoder` whose file imports `blocks.py` from its folder (as
+    `python models/nets.py` would), run from another folder and with the parallel
+    executor, whose workers import it too."""
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "blocks.py").write_text("from torch import nn\n\n\ndef block(width):\n    return nn.Sequential(nn.Linear(64, width), nn.ReLU())\n")
+    (tmp_path / "models" / "nets.py").write_text("from blocks import block\n\n\ndef encoder(width: int = 8):\n    return block(width)\n")
+    monkeypatch.chdir(tmp_path)
+    settings = ["dataset=digits", "model=models/nets.py:encoder", "algorithm=moon", *COMMON, "executor=parallel", "workers=2"]
+    assert main(["run", "--quiet", "--out", str(tmp_path / "run"), *settings]) == 0

@@ -81,7 +81,7 @@ def cmd_run(ns: argparse.Namespace) -> int:
         data = (
             f"{len(setup.data.train)} samples pooled"
             if cfg.pool
-            else f"{len(setup.data.train)} train / {len(setup.data.test)} test"
+            else f"{setup.data.info.get('train_rows', len(setup.data.train))} train / {len(setup.data.test)} test"
         )
         local = " train" if setup.partition.test is not None else ""
         print(

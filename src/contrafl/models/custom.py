@@ -105,7 +105,12 @@ def _load_file(path: str, digest: str, text: str) -> types.ModuleType:
 
 @functools.lru_cache(maxsize=None)
 def _exec_file(path: str, digest: str) -> types.ModuleType:
-    """The module of the Python file ``path``, executed once per content (``digest``)."""
+    """The module of the Python file ``path``, executed once per content (``digest``).
+    Its folder goes on ``sys.path`` (as ``python path`` puts a script's), so that the
+    file imports the modules beside it."""
+    folder = str(Path(path).resolve().parent)
+    if folder not in sys.path:
+        sys.path.append(folder)
     stem = re.sub(r"\W", "_", Path(path).stem)
     name = f"_contrafl_user_{stem}_{digest[:12]}"
     spec = importlib.util.spec_from_file_location(name, path)
