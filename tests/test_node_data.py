@@ -231,3 +231,11 @@ def resolve_own(algorithm: str):
     from contrafl.engine.setup import resolve
 
     return resolve(federation_config(algorithm))
+
+
+def test_a_simulation_of_a_federation_config_is_refused_with_the_way_to_simulate_it(tmp_path, capsys):
+    from contrafl.cli import main
+
+    assert main(["run", "--out", str(tmp_path / "run"), "dataset=sites", "node_data=own", *FEDERATION, *TINY]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "data_dir=ROOT partition=natural" in err and not (tmp_path / "run").exists()

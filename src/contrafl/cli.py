@@ -67,9 +67,10 @@ def cmd_run(ns: argparse.Namespace) -> int:
     from .engine.progress import Progress
     from .engine.run_dir import RunDir, default_run_dir
     from .engine.privacy import require_accounting
-    from .engine.setup import prepare
+    from .engine.setup import check_data_dir, prepare
     from .engine.simulation import Simulation
 
+    check_data_dir(cfg)
     setup = prepare(cfg)
     cfg = setup.config
     if cfg.dp.name != "none":

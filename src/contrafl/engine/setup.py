@@ -112,7 +112,15 @@ def load_data(cfg: Config) -> tuple[FederatedDataset, Component]:
 
 
 def check_data_dir(cfg: Config) -> Path | None:
-    """The configured data directory, checked to exist when the dataset needs one."""
+    """The configured data directory of a simulation, checked to exist when the dataset
+    needs one (a config of ``node_data=own``, a federation whose nodes hold the data, is
+    no simulation)."""
+    if cfg.node_data == "own":
+        raise ConfigError(
+            "node_data=own: each Flower SuperNode holds its own data, which a simulation does not have; simulate the "
+            "federation on copies of the sites' data (data_dir=ROOT partition=natural, ROOT/clients/<site>/...), or "
+            "deploy it (contrafl deploy ... --node-data PATH per site)"
+        )
     spec = DATASETS.get(cfg.dataset.name)
     data_dir = Path(cfg.data_dir).expanduser() if cfg.data_dir else None
     get = (

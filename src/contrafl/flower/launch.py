@@ -621,9 +621,12 @@ class LocalDeployment:
 
     def stop(self) -> None:
         """Stop every process of the deployment: SIGTERM, then SIGKILL after
-        ``stop_grace`` seconds. Idempotent; :meth:`start` may be called again afterwards."""
-        processes = [p for p in [*self._nodes, self._superlink] if p is not None]
-        _terminate(processes, self.stop_grace)
+        ``stop_grace`` seconds; the SuperNodes first, then the SuperLink (a SuperNode
+        that gets SIGTERM says goodbye to its SuperLink, and waits for it up to the
+        grace when the SuperLink is gone already). Idempotent; :meth:`start` may be
+        called again afterwards."""
+        _terminate([p for p in self._nodes if p is not None], self.stop_grace)
+        _terminate([self._superlink] if self._superlink is not None else [], self.stop_grace)
         self._superlink, self._nodes = None, []
         self.node_ids = [None] * self.num_nodes
 
