@@ -167,7 +167,105 @@ def test_report_shows_status_names_and_suite_directories(tmp_path, capsys):
     assert lines[4].split()[1] == "interrupted" and lines[1].split()[1] == "completed"
     assert main(["report", str(tmp_path / "c"), "--markdown"]) == 0
     out = capsys.readouterr().out
-    assert "| method | accuracy (ours) | seeds | per seed | mean of last 5 rounds |" in out
+    assert "| method | accuracy (ours) | seeds | per seed | mean of last 2 rounds |" in out  # 2-round runs (#35)
     assert "| moon |" in out and "| 0 |" in out  # the interrupted seed is left out of the table
     assert f"regenerate with `contrafl report {tmp_path / 'c'} --markdown`" in out
     assert main(["report", str(tmp_path / "nothing")]) == 2
+
+
+def test_output_cut_by_its_reader_ends_quietly():
+    """`contrafl list | head -1`: the reader leaves after a line (`contrafl list` writes
+    more than a pipe holds), and contrafl stops without a BrokenPipeError traceback."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(f"{sys.executable} -m contrafl list | head -1", shell=True, capture_output=True, text=True, timeout=120)
+    assert done.stdout.startswith("algorithms") and done.stdout.count("\n") == 1
+    assert done.stderr == ""
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["run", "rounds=1", "--out", "{proc}/run"],
+        ["run", "rounds=1", "--out", "{file}"],
+        ["run", "rounds=1", "--out", "{file}/run"],
+        ["run", "rounds=1", "--out", "{readonly}/run"],
+        ["compare", "fedavg", "moon", "rounds=1", "--out", "{proc}/cmp"],
+        ["sweep", "{sweep}", "--out", "{proc}/sweep"],
+        ["deploy", "rounds=1", "--out", "{proc}/run"],
+        ["report", "{tmp}", "--html", "{proc}/report.html"],
+        ["report", "{tmp}", "--html", "{tmp}"],
+        ["plot-repr", "{tmp}", "--out", "{proc}/tsne.png"],
+        ["partition", "--out", "{readonly}/p.png"],
+    ],
+)
+def test_an_output_path_that_cannot_be_written_is_one_line_before_anything_runs(tmp_path, monkeypatch, capsys, command):
+    """--out in /proc (nothing can be made there), an existing file, a folder inside a
+    file, a read-only folder (its writes fail as they would for another user than root),
+    --html naming a folder: one line, exit 2, nothing written."""
+    import os
+
+    readonly = tmp_path / "readonly"
+    readonly.mkdir()
+    real_mkdir = Path.mkdir
+
+    def mkdir(self, *args, **kwargs):
+        if str(self).startswith(str(readonly)):
+            raise PermissionError(13, "Permission denied", str(self))
+        return real_mkdir(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "mkdir", mkdir)
+    (tmp_path / "a-file").write_text("x")
+    sweep = tmp_path / "s.yaml"
+    sweep.write_text("base: {rounds: 1}\ngrid: {algorithm: [fedavg]}\n")
+    places = {"proc": "/proc", "file": str(tmp_path / "a-file"), "readonly": str(readonly), "sweep": str(sweep), "tmp": str(tmp_path)}
+    before = sorted(os.listdir(tmp_path))
+    assert main([part.format(**places) for part in command]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("contrafl: error: --") and "\n" not in err, err
+    assert sorted(os.listdir(tmp_path)) == before and not list(readonly.iterdir())
+
+
+def test_a_setting_given_as_an_option_gets_the_commands_usage_and_the_way_to_write_it(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["run", "--rounds", "3"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: contrafl run ") and "rounds=3 instead of --rounds 3" in err
+
+
+def test_help_and_list_say_what_each_choice_is(capsys):
+    with pytest.raises(SystemExit):
+        main(["run", "--help"])
+    text = capsys.readouterr().out
+    for setting, choices in [("executor", "auto, sequential, parallel, vectorized"), ("device", "auto, cpu, cuda"), ("optimizer", "sgd, adam")]:
+        line = next(line for line in text.splitlines() if line.strip().startswith(setting + " "))
+        assert f"[choices: {choices}]" in line
+    deadline = next(line for line in text.splitlines() if line.strip().startswith("round_deadline "))
+    assert deadline.endswith("[default: none]")  # None means no deadline here, not auto (docs/unreliable.md)
+    assert main(["list", "augmentations"]) == 0
+    listed = capsys.readouterr().out.splitlines()[1:]
+    assert listed and all(len(line.split(maxsplit=1)) == 2 for line in listed)  # a description on every line
+
+
+def test_one_round_and_one_epoch_are_singular(tmp_path, capsys):
+    assert main(["run", "--out", str(tmp_path / "run"), "rounds=1", "local_epochs=1", "num_clients=2", "executor=sequential"]) == 0
+    out = capsys.readouterr().out
+    assert "1 round x 1 local epoch," in out and "done: 1 round in" in out and "1 rounds" not in out
+
+
+def test_the_last_line_says_privacy_lost_replies_stragglers_and_simulated_time(tmp_path, capsys):
+    settings = ["rounds=2", "num_clients=3", "local_epochs=1", "algorithm=fedprox", "executor=sequential",
+                "client_speed=slow:0.34,4", "round_deadline=20", "stragglers=partial", "client_dropout=0.5",
+                "dp=local", "dp.clip=0.5", "dp.noise_multiplier=0.5"]
+    assert main(["run", "--out", str(tmp_path / "run"), *settings]) == 0
+    out = capsys.readouterr().out.splitlines()
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    lost = sum(len(row.get("lost", [])) for row in rows)
+    partial = [c for row in rows for c in row.get("stragglers", []) if c["done"]]
+    assert lost and partial  # what this test is about: the seed makes both happen
+    assert sum("partial work (steps done/planned by the deadline): " in line for line in out) == sum(1 for row in rows if any(c["done"] for c in row.get("stragglers", [])))
+    done = out[-1]
+    assert done.startswith("done: 2 rounds in ") and ")-DP (local)" in done and f"{lost} repl" in done and "lost" in done
+    assert f"{len(partial)} partial" in done and "simulated time " in done

@@ -166,7 +166,10 @@ def test_contrafl_deploy_with_tls_equals_the_simulator(tmp_path, capsys):
     assert "(TLS, SuperNode authentication)" in out
     assert sorted(p.name for p in (tmp_path / "flower-run" / "flower" / "keys").iterdir()) == ["node-0", "node-0.pub", "node-1", "node-1.pub"]
     assert "SuperNode authentication is disabled" not in (tmp_path / "flower-run" / "flower" / "logs" / "superlink.log").read_text()
-    assert "round 1/1  |####################|  loss" in out and "finished:completed" in out  # the server's progress, as it comes
+    assert "round 1/1  |####################|  loss" in out  # the server's progress, as it comes
+    # not a terminal: no colour codes, no empty log line, the end said once
+    assert "\x1b[" not in out and not any(line.strip() in ("INFO :", "INFO  :") or line.strip() == "INFO" for line in out.splitlines())
+    assert out.count("completed") == 1 and "contrafl: completed after 1 round; results in" in out
     assert (tmp_path / "flower-run" / "flower" / "certs").is_dir()
     states = sorted(p.relative_to(tmp_path / "flower-run" / "flower-clients").as_posix() for p in (tmp_path / "flower-run" / "flower-clients").rglob("*"))
     assert states == ["client-0", "client-0/round-1.pt", "client-1", "client-1/round-1.pt"]

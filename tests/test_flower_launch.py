@@ -182,3 +182,13 @@ def test_certificates_name_the_given_hosts_and_only_those(tmp_path: Path) -> Non
     with pytest.raises(ConfigError, match="server host 'no/such host' is neither an IP address nor a DNS name"):
         make_certificates(tmp_path / "bad", ["no/such host"])
     assert not (tmp_path / "bad").exists()
+
+
+def test_the_servers_output_is_echoed_without_colour_codes_off_a_terminal_and_without_empty_log_lines() -> None:
+    from contrafl.flower.launch import echoed
+
+    coloured = "\x1b[92mINFO \x1b[0m:      Start `flwr-serverapp` process\n"
+    assert echoed(coloured, terminal=False) == "INFO :      Start `flwr-serverapp` process\n"
+    assert echoed(coloured, terminal=True) == coloured
+    assert echoed("\x1b[92mINFO \x1b[0m:      \n", terminal=False) is None
+    assert echoed("round 1/1  |####|  loss 2.19\n", terminal=False) == "round 1/1  |####|  loss 2.19\n"

@@ -1,7 +1,6 @@
 """dataset=huggingface (Hugging Face ``datasets``) and partition=flwr_* (Flower Datasets' partitioners)."""
 
 import json
-import math
 import subprocess
 import sys
 from pathlib import Path

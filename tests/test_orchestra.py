@@ -3,6 +3,7 @@ updates (EMA before the step, memory after it) and its rounds."""
 
 from __future__ import annotations
 
+import copy
 import math
 from types import SimpleNamespace
 
@@ -12,11 +13,13 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from contrafl.algorithms.base import Federation, Reply
+from contrafl.algorithms import orchestra as orchestra_module
+from contrafl.algorithms.base import Federation, Reply, TrainResult
 from contrafl.algorithms.orchestra import Orchestra, OrchestraParams, global_clustering, local_clustering, sinkhorn_knopp
+from contrafl.algorithms.ssl import quadrant, rotate_quarters, target_part
 from contrafl.config import load_config
 from contrafl.data.augment import eval_transform
-from contrafl.engine.executor import FunctionalNet, Job, SequentialExecutor, Workload
+from contrafl.engine.executor import FunctionalNet, Job, SequentialExecutor, Workload, draw_noise, noise_generator
 from contrafl.engine.optim import SGD
 from contrafl.engine.plan import make_plan
 from contrafl.rng import generator
@@ -101,7 +104,8 @@ def _jobs(algo, model, sizes, memory):
         start += n
         plan = make_plan(rows, 1, 8, True, tf.sample, algo.views, generator(0, "plan", cid))
         bank = F.normalize(torch.randn(memory, 5, generator=g), dim=1)
-        task = algo.client_begin({"model": sd, "centroids": C}, {"memory": bank}, SimpleNamespace(round=1))
+        message = {"model": sd, "centroids": C, **({"target": target_part(sd)} if algo.official else {})}
+        task = algo.client_begin(message, {"memory": bank}, SimpleNamespace(round=1))
         jobs.append(Job(cid, task, [plan], seed=cid))
     return x, y, tf, jobs, sd
 
@@ -140,16 +144,18 @@ def test_target_moves_before_each_step_and_memory_keeps_the_newest_projections()
     assert result.stats["cluster"] > 0 and result.stats["rotation"] > 0
 
 
-def test_orchestra_agrees_across_executors():
+@pytest.mark.parametrize("variant", ["fedu2", "official"])
+def test_orchestra_agrees_across_executors(variant):
     """In float64 (float32 differences grow quickly through the sharp cluster softmax),
     the vectorized executor reproduces the sequential one for clients of different
-    lengths: EMA before each step, memory after it, the rotation view and its noise."""
+    lengths: EMA before each step, memory after it, the rotation view and its noise (and
+    the official variant's extra online forward)."""
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
     try:
         model = _model().double()
         sizes = [24, 40, 16]
-        algo = Orchestra(OrchestraParams(memory=16), _federation(model, sizes))
+        algo = Orchestra(OrchestraParams(memory=16, variant=variant), _federation(model, sizes))
         results = []
         for executor in ("sequential", "vectorized"):
             x, y, tf, jobs, _ = _jobs(algo, model, sizes, memory=16)
@@ -162,8 +168,165 @@ def test_orchestra_agrees_across_executors():
         for role in ("model", "target", "memory"):
             for k in a.params[role]:
                 torch.testing.assert_close(b.params[role][k], a.params[role][k], rtol=0, atol=1e-12)
+        for role in ("model", "target"):
+            for k in a.buffers[role]:
+                torch.testing.assert_close(b.buffers[role][k], a.buffers[role][k], rtol=0, atol=1e-12)
         torch.testing.assert_close(b.stats["loss"].double(), a.stats["loss"].double(), rtol=1e-6, atol=0)
         assert a.stats["rotation"] > 0
+
+
+def _code_steps(model, job, x, tf, stage, official, lr, momentum, weight_decay, ema, T):
+    """A transcription of the local steps of the official ``orchestra.forward``
+    (models.py:652-687) and ``ssl_train`` (client.py:44-70) on ``nn.Module`` copies,
+    on the batches and rotation draws of ``job``'s plan; ``official=False`` drops the
+    unused online forward of ``x1`` (FedU2's fedorche/client.py:184). Returns the online
+    and target state dicts and the memory."""
+    task = job.task
+    online = copy.deepcopy(model).train()
+    online.load_state_dict({**task.params["model"], **task.buffers["model"]})
+    target = copy.deepcopy(online)
+    target.load_state_dict({**task.params["target"], **task.buffers["target"]}, strict=False)
+    for param in target.parameters():
+        param.requires_grad_(False)
+    optimizer = torch.optim.SGD(online.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
+    bank = task.params["memory"]["bank"].clone()
+    C = task.consts["centroids"].T
+    g = noise_generator(job, 0)
+    plan = job.plans[0]
+    for step in range(plan.steps):
+        rows, aug = plan.batch(step)
+        x1, x2, x3 = (tf(x[rows], a).double() for a in aug)
+        deg_labels = quadrant(draw_noise(stage, g, x.device)["rotation"])
+        x3 = rotate_quarters(x3, deg_labels)
+        optimizer.zero_grad()
+        if official:
+            F.normalize(online(x1).z, dim=1)  # Z1, unused
+        Z2 = F.normalize(online(x2).z, dim=1)
+        logpZ2 = torch.log(F.softmax(Z2 @ C / T, dim=1))
+        with torch.no_grad():
+            for (name, t), o in zip(target.named_parameters(), online.parameters()):
+                if not name.startswith("heads."):  # update_target: backbone and projector
+                    t.data = ema * t.data + (1 - ema) * o.data
+            tZ1 = F.normalize(target(x1).z, dim=1)
+            tP1 = F.softmax(tZ1 @ C / T, dim=1)
+        L_cluster = -torch.sum(tP1 * logpZ2, dim=1).mean()
+        L_deg = F.cross_entropy(online(x3).extra["rotation"], deg_labels)  # deg_layer(projector(backbone(x3)))
+        (L_cluster + L_deg).backward()
+        optimizer.step()
+        bank = torch.cat([bank, tZ1])[-len(bank):]  # update_memory
+    return online.state_dict(), target.state_dict(), bank
+
+
+@pytest.mark.parametrize("variant", ["official", "fedu2"])
+def test_local_steps_match_a_transcription_of_the_code(variant):
+    """Three steps of two clients (float64) against :func:`_code_steps` on identical
+    tensors: online parameters and BatchNorm statistics, target, memory. The official
+    variant's online statistics follow four train-mode forwards a step (x1, x2, x3 and
+    the target's x1 on the target), FedU2's three; the parameters agree between the two
+    (the unused forward changes no gradient), the statistics do not."""
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        model = _model().double()
+        sizes = [24, 16]
+        p = OrchestraParams(memory=12, local_clusters=4, ema=0.9, variant=variant)
+        algo = Orchestra(p, _federation(model, sizes))
+        x, y, tf, jobs, sd = _jobs(algo, model, sizes, memory=12)
+        stage = algo.stages(1)[0]
+        work = Workload.single(x, y, lambda raw, q, tf=tf: tf(raw, q).double(), FunctionalNet(model), [stage], SGD(0.05, 0.9, 1e-4))
+        results = SequentialExecutor(work).train(jobs)
+        for job, result in zip(jobs, results):
+            online, target, bank = _code_steps(model, job, x, tf, stage, variant == "official", 0.05, 0.9, 1e-4, 0.9, p.temperature)
+            ours = {**result.params["model"], **result.buffers["model"]}
+            assert set(ours) == set(online)
+            for k, v in online.items():
+                torch.testing.assert_close(ours[k], v, rtol=0, atol=1e-10)
+            for k, v in {**result.params["target"], **result.buffers["target"]}.items():
+                torch.testing.assert_close(v, target[k], rtol=0, atol=1e-10)
+            torch.testing.assert_close(result.params["memory"]["bank"], bank, rtol=0, atol=1e-10)
+            tracked = "features.1.num_batches_tracked"
+            assert int(ours[tracked] - sd[tracked]) == (3 if variant == "official" else 2) * job.plans[0].steps
+    finally:
+        torch.set_default_dtype(default)
+
+
+def test_official_variant_sends_and_receives_the_target():
+    """``variant=official``: the server holds a target (the initial model's encoder and
+    projector) and sends it; the client trains from the received target even when it
+    kept one, returns it with the model and keeps only its memory; the server averages
+    the targets with the models' weights. ``variant=fedu2`` keeps the target on the
+    client and sends none."""
+    model = _model()
+    sizes = [20, 7, 16]
+    official = Orchestra(OrchestraParams(variant="official", memory=12, local_clusters=4), _federation(model, sizes))
+    fedu2 = Orchestra(OrchestraParams(memory=12, local_clusters=4), _federation(model, sizes))
+    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    server = official.init_server(sd)
+    message = official.broadcast(server, 1)
+    assert set(message) == {"model", "centroids", "target"} and set(message["target"]) == set(target_part(sd))
+    assert "target" not in fedu2.broadcast(fedu2.init_server(sd), 1)
+
+    received = {k: v + 1 if v.is_floating_point() else v for k, v in message["target"].items()}
+    kept = {k: v - 1 if v.is_floating_point() else v for k, v in message["target"].items()}
+    bank = F.normalize(torch.randn(12, 5, generator=torch.Generator().manual_seed(0)), dim=1)
+    ctx = SimpleNamespace(round=1, cid=0, num_samples=20, generator=lambda *key: torch.Generator().manual_seed(1))
+    for algo, want in ((official, received), (fedu2, kept)):
+        task = algo.client_begin({**message, "target": received}, {"memory": bank, "target": kept}, ctx)
+        target = {**task.params["target"], **task.buffers["target"]}
+        for k, v in want.items():
+            torch.testing.assert_close(target[k], v)
+        result = TrainResult(task.params, task.buffers, {}, 0)
+        reply, state = algo.client_end(task, result, {"memory": bank}, ctx)
+        assert ("target" in reply.payload) is (algo is official) and ("target" in state) is (algo is fedu2)
+        assert check_reply(reply, algo.reply_spec(message if algo is official else fedu2.broadcast(fedu2.init_server(sd), 1))) is None
+
+    def reply(cid, n, value):
+        shift = {k: torch.full_like(v, value) if v.is_floating_point() else v for k, v in sd.items()}
+        return Reply(cid, n, {"model": shift, "target": target_part(shift), "local_centroids": torch.zeros(4, 5)})
+
+    new = official.aggregate(server, [reply(0, 20, 1.0), reply(1, 7, 5.0), reply(2, 16, 3.0)], 1)
+    # floor(n / 8) = 2, 0, 2: the client with fewer samples than a batch weighs nothing
+    torch.testing.assert_close(new.extras["target"]["l1.weight"], torch.full_like(sd["l1.weight"], 2.0))
+    torch.testing.assert_close(new.model["l1.weight"], torch.full_like(sd["l1.weight"], 2.0))
+    kept_target = official.aggregate(server, [reply(0, 20, 1.0)], 0).extras["target"]  # round 0 trains nothing
+    assert all(torch.equal(v, server.extras["target"][k]) for k, v in kept_target.items())
+
+
+def test_weights_of_the_variants():
+    """floor(n_k / B) (the official ``len`` of a ``drop_last`` loader) and ceil(n_k / B)
+    (FedU2's loader), B = 8; ``weighting`` overrides the variant's."""
+    model = _model()
+    replies = [Reply(i, n, {}) for i, n in enumerate((20, 7, 16))]
+
+    def weights(**kw):
+        return Orchestra(OrchestraParams(**kw), _federation(model, [20, 7, 16])).weights(replies)
+
+    assert weights(variant="official") == pytest.approx([2 / 4, 0, 2 / 4])
+    assert weights() == pytest.approx([3 / 6, 1 / 6, 2 / 6])
+    assert weights(variant="official", weighting="batches") == pytest.approx([3 / 6, 1 / 6, 2 / 6])
+    assert weights(weighting="full_batches") == pytest.approx([2 / 4, 0, 2 / 4])
+    assert weights(weighting="samples") == pytest.approx([20 / 43, 7 / 43, 16 / 43])
+    tiny = [Reply(0, 3, {}), Reply(1, 5, {})]
+    assert Orchestra(OrchestraParams(variant="official"), _federation(model, [3, 5])).weights(tiny) == [0.5, 0.5]
+
+
+@pytest.mark.parametrize("variant, steps, want", [("official", None, 500), ("fedu2", None, 50), ("official", 7, 7)])
+def test_global_clustering_steps_of_the_variants(monkeypatch, variant, steps, want):
+    """500 SGD steps of global clustering in the official code (models.py:624), 50 in
+    FedU2's (fedorche/server.py:98); ``global_steps`` overrides the variant's."""
+    seen = []
+
+    def record(C, Z, temperature, steps, *rest):
+        seen.append(steps)
+        return C
+
+    monkeypatch.setattr(orchestra_module, "global_clustering", record)
+    model = _model()
+    algo = Orchestra(OrchestraParams(variant=variant, global_steps=steps, memory=12, local_clusters=4), _federation(model, [8]))
+    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    server = algo.init_server(sd)
+    algo.aggregate(server, [Reply(0, 8, {"model": sd, "target": target_part(sd), "local_centroids": torch.zeros(4, 5)})], 1)
+    assert seen == [want]
 
 
 # -- rounds ------------------------------------------------------------------------------
@@ -201,6 +364,20 @@ def test_round_zero_only_clusters_and_later_rounds_train(tmp_path):
     assert all(not torch.equal(sim.store.get(cid)["algorithm"]["memory"], memories[cid]) for cid in range(3))
 
 
+def test_official_rounds_carry_the_target(tmp_path):
+    """A run of the official variant: the target is part of the message and of every
+    reply (counted as its own kind), the server's target moves, the clients keep only
+    their memory."""
+    sim = Simulation(prepare(load_config(None, [*ORCHESTRA, "algorithm.variant=official", *tiny_cifar(tmp_path)])), None, None)
+    target0 = {k: v.clone() for k, v in sim.server.extras["target"].items()}
+    assert "target" in sim.algorithm.broadcast(sim.server, 0)
+    row = sim.run_round(0)
+    assert row["bytes_up"]["target"] > 0 and all(torch.equal(v, target0[k]) for k, v in sim.server.extras["target"].items())
+    sim.run_round(1)
+    assert any(not torch.equal(v, target0[k]) for k, v in sim.server.extras["target"].items() if v.is_floating_point())
+    assert all(set(sim.store.get(cid)["algorithm"]) == {"memory"} for cid in range(3))
+
+
 def test_local_centroids_with_a_wrong_shape_are_rejected(tmp_path):
     sim = Simulation(prepare(load_config(None, [*ORCHESTRA, *tiny_cifar(tmp_path)])), None, None)
     message = sim.algorithm.broadcast(sim.server, 0)
@@ -226,3 +403,8 @@ def test_rotation_on_vectors_is_a_config_error(capsys):
     err = capsys.readouterr().err
     assert "algorithm.rotation=1.0 predicts quarter turns of square images" in err and "[64]" in err
     assert "Traceback" not in err
+
+
+def test_orchestra_needs_no_facts_of_other_clients():
+    """Its options have no ``even_steps`` (``node_data=own`` asked for one and failed)."""
+    assert Orchestra.needs_all_clients_data(OrchestraParams(variant="official")) is None

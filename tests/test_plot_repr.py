@@ -56,6 +56,9 @@ def test_global_and_local_panels_of_a_trained_run(avg_run, capsys):
     assert image[..., :3].std() > 0.05 and (image[..., :3] < 0.9).any(axis=-1).mean() > 0.01  # not blank
     out = capsys.readouterr().out
     assert "global model silhouette" in out and "client 2, local model" in out and "tsne.png" in out
+    # #35: its score is named as what it is, not "kNN" (eval-repr's weighted kNN accuracy is another metric)
+    panel = record["panels"][0]
+    assert f"leave-one-out {record['knn_k']}-NN accuracy {panel['knn_acc']:.3f}" in out and "kNN" not in out
 
 
 @pytest.mark.slow

@@ -187,3 +187,49 @@ def test_suite_methods_are_case_insensitive(tmp_path):
     assert not (tmp_path / "out" / "FedAvg").exists() and results["methods"]["MOON"]["seeds"] == 1
     with pytest.raises(Exception, match="unknown method 'mooon' in s .did you mean 'MOON'"):
         run_suite(load_suite(path), tmp_path / "out", FAST, ["mooon"], log=lambda _: None)
+
+
+def test_a_copy_inside_a_run_is_not_a_run(tmp_path, capsys):
+    """#35: MLflow's artifact copy of a tracked run (RUN/mlflow/artifacts/ID/artifacts)
+    holds the run's files; `contrafl report` lists the run once, and a directory of runs
+    beside it are all listed."""
+    from contrafl.eval.report import find_runs
+
+    run(tmp_path / "runs", "avg", "algorithm=fedavg")
+    avg = tmp_path / "runs" / "avg"
+    copy = avg / "mlflow" / "artifacts" / "1" / "0123abcd" / "artifacts"
+    copy.mkdir(parents=True)
+    for name in ("config.yaml", "metrics.jsonl", "summary.json"):
+        (copy / name).write_bytes((avg / name).read_bytes())
+    other = tmp_path / "runs" / "later" / "seed0"  # a run whose parent is not a run
+    other.mkdir(parents=True)
+    (other / "summary.json").write_text(json.dumps({"status": "interrupted"}))
+    assert [name for _, name in find_runs([tmp_path / "runs"])] == ["avg", "later/seed0"]
+    assert main(["report", str(tmp_path / "runs")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in lines[1:]] == ["avg", "later/seed0"]
+    # named itself, the copy is still a run directory
+    assert [name for _, name in find_runs([copy])] == ["artifacts"]
+
+
+def test_single_seed_numbers_have_no_std():
+    """#35: one seed is `61.78`, not `61.78 ± 0.00`, in suite and sweep tables."""
+    from contrafl.eval.report import mean_pm, pm
+    from contrafl.eval.suite import Suite, format_table
+    from contrafl.eval.sweep import Sweep, format_table as sweep_table
+
+    assert pm(0.6178, 0.0, 1) == "61.78" and pm(0.6178, 0.0042, 2) == "61.78 ± 0.42" and mean_pm([0.5, 0.7]) == "60.00 ± 10.00"
+    suite = Suite(name="s", base={}, methods={"fedavg": {}})
+    one = {"seeds": 1, "seed_list": [3], "test_acc": [0.6178], "test_acc_mean": 0.6178, "test_acc_std": 0.0,
+           "test_acc_last_mean": 0.6, "test_acc_last_rounds": 3}
+    table = format_table(suite, {"methods": {"fedavg": one}, "target": None}, detailed=True)
+    assert "| fedavg | 61.78 | 3 | 61.78 | 60.00 |" in table and "±" not in table
+    assert "| mean of last 3 rounds |" in table
+    best = Suite(name="s", base={}, methods={"ditto": {}}, metric="best")
+    entry = {"seed_list": [0], "best_acc": [0.5], "best_acc_mean": 0.5, "best_acc_seed_std": 0.0, "best_client_std": 0.1, "best_round": [2]}
+    assert "| ditto | 50.00 | 10.00 |" in format_table(best, {"methods": {"ditto": entry}})
+    sweep = Sweep(name="w", base={}, grid={"lr": [0.1]})
+    cell = {"settings": {"lr": 0.1}, "seeds": [0], "status": {"0": "completed"}, "metric": "test_acc", "final": [0.5],
+            "best": [0.6], "best_round": [2], "final_mean": 0.5, "final_std": 0.0, "best_mean": 0.6, "best_std": 0.0}
+    row = sweep_table(sweep, {"axes": ["lr"], "cells": {"lr=0.1": cell}}).splitlines()[2]
+    assert "| 50.00 | 60.00 |" in row and "±" not in row

@@ -11,10 +11,12 @@ import pytest
 import torch
 from torch import nn
 
-from contrafl.algorithms.base import Federation, Reply
+from contrafl.algorithms.base import Batch, Federation, Reply, TaskView
+from contrafl.algorithms.fedu2 import FedU2, FedU2Params
 from contrafl.algorithms.ssl import (
     FedBYOL,
     FedSimCLR,
+    FedSimSiam,
     SSLParams,
     byol_loss,
     nt_xent,
@@ -174,6 +176,94 @@ def test_byol_with_rotation_agrees_across_executors():
                 torch.testing.assert_close(b.buffers[role][k].float(), a.buffers[role][k].float(), rtol=1e-5, atol=1e-5)
         assert a.stats["rotation"] > 0
         torch.testing.assert_close(b.stats["loss"], a.stats["loss"], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "algorithm, params, fixed",
+    [
+        (FedU2, FedU2Params(rotation=1.0), True),  # FedU2-BYOL: fedbyol_client.py:125-130
+        (FedU2, FedU2Params(rotation=1.0, method="simclr"), False),  # fedsimclr_client.py:106-109
+        (FedU2, FedU2Params(rotation=1.0, method="simsiam"), False),  # fedsimsiam_client.py:105-108
+        (FedU2, FedU2Params(rotation=1.0, rotation_head="train"), False),
+        (FedU2, FedU2Params(rotation=1.0, method="simclr", rotation_head="fixed"), True),
+        (FedBYOL, SSLParams(rotation=1.0), False),  # the baselines' clients train it (byol_local/client.py:150-156)
+        (FedSimSiam, SSLParams(rotation=1.0, rotation_head="fedu2"), False),
+        (FedBYOL, SSLParams(rotation=1.0, rotation_head="fedu2"), True),
+    ],
+)
+def test_which_rotation_heads_stay_fixed(algorithm, params, fixed):
+    assert algorithm(params, _federation(("w",))).rotation_head_fixed is fixed
+
+
+def test_rotation_head_applies_only_with_rotation():
+    assert FedU2.inapplicable(FedU2Params())["rotation_head"] == "rotation=1"
+    assert "rotation_head" not in FedU2.inapplicable(FedU2Params(rotation=1.0))
+
+
+def _fedu2_byol_results(rotation_head, executor, sizes):
+    model = _conv_model(rotation=True)
+    names = [n for n, _ in model.named_parameters()]
+    params = FedU2Params(rotation=1.0, rotation_head=rotation_head, uniformity="none", predictor_hidden=6, ema=0.9)
+    algo = FedU2(params, _federation(names, sizes=sizes, batch_size=8))
+    x, y, tf, jobs, sd, _ = _byol_jobs(algo, model, sizes, views=3)
+    work = Workload.single(x, y, tf, FunctionalNet(model), algo.stages(0), SGD(0.05, 0.9, 1e-3))
+    run = SequentialExecutor(work) if executor == "sequential" else VectorizedExecutor(work, 2**30)
+    return run.train(jobs), sd
+
+
+@pytest.mark.parametrize("executor", ["sequential", "vectorized"])
+def test_fedu2_byol_rotation_head_stays_at_its_initialisation(executor):
+    """FedU2's ByolEvenClient optimises the online encoder, projector and predictor only
+    (fedbyol_client.py:125-130): under SGD with momentum and weight decay the rotation
+    head keeps its initial values exactly while the rotation loss, through it, still
+    trains the encoder; ``rotation_head=train`` moves the head. One step (8 samples) in
+    both: everything but the head is the same, the head's gradient being the only
+    difference."""
+    sizes = [8, 24]
+    fixed, sd = _fedu2_byol_results("fedu2", executor, sizes)
+    trained, _ = _fedu2_byol_results("train", executor, sizes)
+    heads = [k for k in sd if k.startswith("heads.rotation.")]
+    assert heads
+    for f, t in zip(fixed, trained):
+        for k in heads:
+            torch.testing.assert_close(f.params["model"][k], sd[k], rtol=0, atol=0)
+            assert not torch.allclose(t.params["model"][k], sd[k])
+        assert not torch.allclose(f.params["model"]["features.0.weight"], sd["features.0.weight"])
+        assert f.stats["rotation"] > 0
+    one_step_fixed, one_step_trained = fixed[0], trained[0]
+    for k, v in one_step_fixed.params["model"].items():
+        if k not in heads:
+            torch.testing.assert_close(v, one_step_trained.params["model"][k], rtol=1e-6, atol=1e-7)
+
+
+def test_rotated_view_leaves_the_predictor_statistics_alone():
+    """FedU2's BYOL forward on identical tensors (contrastive_model.py:83-97): the online
+    encoder, projector and predictor on x1 and x2, then ``deg_layer(projector(encoder(x3)))``
+    without the predictor. Every BatchNorm of the online network ends with the running
+    statistics of that transcription: the encoder's and projector's saw the rotated view,
+    the predictor's did not."""
+    model = _conv_model(rotation=True)
+    names = [n for n, _ in model.named_parameters()]
+    algo = FedBYOL(SSLParams(rotation=1.0), _federation(names, batch_size=8))
+    x, y, tf, jobs, sd, _ = _byol_jobs(algo, model, [8], views=3)
+    task = jobs[0].task
+    rows, aug = jobs[0].plans[0].batch(0)
+    views = [tf(x[rows], a) for a in aug]
+    noise = {"rotation": torch.randn(8, generator=torch.Generator().manual_seed(3))}
+    buffers = {role: {k: v.clone() for k, v in sd_.items()} for role, sd_ in task.buffers.items()}
+    algo.local_loss(TaskView(task.params, buffers, {}, {}), Batch(torch.stack(views), y[rows], noise), FunctionalNet(model))
+
+    code = _conv_model(rotation=True).train()
+    code.load_state_dict(sd)
+    with torch.no_grad():
+        code(views[0]), code(views[1])  # p1, p2 = predictor(online_projector(online_encoder(x)))
+        x3 = rotate_quarters(views[2], quadrant(noise["rotation"]))
+        code.heads["rotation"](code.project(code.features(x3)))  # deg_layer(online_projector(online_encoder(x3)))
+    want = {k: v for k, v in code.state_dict().items() if k not in names}
+    assert set(want) == set(buffers["model"])
+    for k, v in want.items():
+        torch.testing.assert_close(buffers["model"][k], v, rtol=1e-5, atol=1e-6)
+    assert not torch.equal(buffers["model"]["l1_bn.running_mean"], sd["l1_bn.running_mean"])
 
 
 def test_shared_target_is_averaged_and_local_target_stays_on_the_client():

@@ -88,11 +88,43 @@ def test_solo_is_reported_over_clients():
 
 
 def test_compare_command(tmp_path, capsys):
+    """compare names a method as `contrafl report` labels it (moon.mu=5: "moon mu=5"); a
+    single seed's accuracy has no "± 0.00"; the detailed table averages the rounds the
+    runs have (2 here, not 5)."""
     assert main(["compare", "fedavg", "moon", "moon.mu=5", "rounds=2", "local_epochs=1", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "| fedavg |" in out and "| moon |" in out and "rounds to" in out
-    cfg = (tmp_path / "moon" / "seed0" / "config.yaml").read_text()
+    assert "| fedavg |" in out and "| moon mu=5 |" in out and "| moon |" not in out and "rounds to" in out
+    assert "± 0.00" not in out and "±" not in out  # one seed: its accuracy alone
+    results = json.loads((tmp_path / "results.json").read_text())
+    acc = results["methods"]["moon mu=5"]["test_acc"][0]
+    assert f"| moon mu=5 | {100 * acc:.2f} | 1 |" in out
+    cfg = (tmp_path / "moon-mu-5" / "seed0" / "config.yaml").read_text()
     assert "mu: 5.0" in cfg
+    assert main(["report", str(tmp_path), "--markdown"]) == 0
+    table = capsys.readouterr().out
+    assert "| mean of last 2 rounds |" in table and "last 5" not in table
+    assert results["methods"]["fedavg"]["test_acc_last_rounds"] == 2
+    # the report labels the runs as compare named them
+    assert main(["report", str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split("  ")[0] for line in lines[1:]] == ["fedavg/seed0", "moon-mu-5/seed0"]
+    assert "moon mu=5" in lines[2]
+
+
+def test_every_key_of_results_json_is_documented():
+    """docs/sweeps.md names every key a suite's (compare, experiment) and a sweep's
+    results.json hold."""
+    from contrafl.eval import suite, sweep
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "sweeps.md").read_text()
+    keys = set()
+    for module in (suite, sweep):
+        source = Path(module.__file__).read_text()
+        keys |= set(re.findall(r'(?:entry|per_method|per_cell|results)\["([a-z_]+)"\]', source))
+        keys |= set(re.findall(r'\{"(suite|sweep|target|methods|axes|cells|seeds|seed_list|settings|status)"', source))
+    keys |= {"seed_list", "target", "test_acc_last_mean", "test_acc_last_rounds", "failed"}
+    missing = sorted(k for k in keys if f"`{k}`" not in doc)
+    assert not missing, f"results.json keys not described in docs/sweeps.md: {missing}"
 
 
 def test_method_directory_names():

@@ -205,3 +205,36 @@ def test_a_sweep_over_dp_reports_the_epsilon_each_cell_spent(tmp_path):
     spent = read_run(tmp_path / "out" / "dp-local-noise_multiplier-2" / "seed0")[1][-1]["dp_epsilon"]
     assert rows == {"none": "-", "local(noise_multiplier=0)": "inf", "local(noise_multiplier=2)": f"{spent:.3g}"}
     assert sweep_report(tmp_path / "out").splitlines()[0].startswith("| dp | epsilon | metric |")
+
+
+def test_a_run_stopped_after_its_last_round_is_reported_done(tmp_path):
+    """#35: a run that got the stop request after its last round exits with the signal's
+    status, but its summary says completed: the sweep counts it as done, not as
+    "stopped after round 3 (continues on the next call)"."""
+    import io
+    from types import SimpleNamespace
+
+    from contrafl.eval.suite import Cell
+    from contrafl.eval.sweep import _Board
+
+    path = tmp_path / "cell" / "seed0"
+    path.mkdir(parents=True)
+    rows = [{"round": t, "test_acc": 0.5 + 0.1 * t} for t in (1, 2, 3)]
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (path / "summary.json").write_text(json.dumps({"status": "completed", "rounds_completed": 3, "checkpointed_rounds": 3}))
+    stopped = tmp_path / "other" / "seed0"
+    stopped.mkdir(parents=True)
+    (stopped / "metrics.jsonl").write_text(json.dumps(rows[0]) + "\n")
+    (stopped / "summary.json").write_text(json.dumps({"status": "interrupted", "checkpointed_rounds": 1}))
+    config = SimpleNamespace(rounds=3)
+    cells = [Cell("cell", 0, config, path), Cell("other", 0, config, stopped)]
+    stream = io.StringIO()
+    board = _Board(cells, stream)
+    for cell in cells:
+        job = SimpleNamespace(cell=cell, process=SimpleNamespace(wait=lambda: 130), log=tmp_path / "log", start=0.0, slot=0)
+        board.finished(job, [], stopping=True)
+    lines = stream.getvalue().splitlines()
+    assert lines[0].startswith("[1/2] cell seed 0: test acc 0.8000 in ") and "stopped" not in lines[0]
+    assert lines[1] == "other seed 0: stopped after round 1 (continues on the next call)"
+    assert cells[0].state == "done" and cells[1].state == "resume"
+    assert board.interrupted_summary(cells) == "1 of 2 runs done, 1 stopped with a checkpoint, 0 not started"

@@ -11,14 +11,17 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
+import os
 import sys
 import textwrap
 import traceback
 from pathlib import Path
 
 from . import __version__
-from .config import COMPONENTS, Config, load_config, parse_overrides
+from . import params as P
+from .config import COMPONENTS, SETTINGS, Config, load_config, parse_overrides
+from .files import check_output
+from .words import count
 from .errors import ClientUpdateError, ConfigError, ContraflError
 
 # Exit statuses (README, "Exit status"): 128 + N for a run stopped by signal N.
@@ -32,8 +35,10 @@ def _settings_help() -> str:
     for f in dataclasses.fields(Config):
         if f.name in COMPONENTS:
             continue
-        default = "auto" if f.default in (None, "auto") else f.default
-        lines.append(f"  {f.name:<24} {f.metadata.get('doc', '')} [default: {default}]")
+        doc, check = f.metadata.get("doc", ""), f.metadata.get("check")
+        default = "auto" if f.default == "auto" or (f.default is None and "auto" in doc) else "none" if f.default is None else f.default
+        choices = f" [choices: {', '.join(map(str, check.choices))}]" if type(check) is P.OneOf else ""
+        lines.append(f"  {f.name:<24} {doc}{choices} [default: {default}]")
     lines.append("")
     lines.append("components (NAME or component.OPTION=VALUE; see `contrafl list`):")
     for name in COMPONENTS:
@@ -62,6 +67,8 @@ def cmd_run(ns: argparse.Namespace) -> int:
     config_path, overrides = _split_run_args(ns.args)
     cfg = load_config(config_path, overrides)  # before the slow imports: quick errors
     require(cfg.tracking)
+    if ns.out:
+        check_output(Path(ns.out), "--out")
 
     from .engine import estimate
     from .engine.progress import Progress
@@ -89,7 +96,7 @@ def cmd_run(ns: argparse.Namespace) -> int:
             f"contrafl {__version__}: {cfg.algorithm.name} on {cfg.dataset.name} "
             f"({data}), model {cfg.model.name}, "
             f"{cfg.num_clients} clients ({cfg.partition.name}; {min(sizes)}-{max(sizes)}{local} samples each), "
-            f"{cfg.rounds} rounds x {cfg.local_epochs} local epochs, {cfg.executor} executor on {setup.device.type}"
+            f"{count(cfg.rounds, 'round')} x {count(cfg.local_epochs, 'local epoch')}, {cfg.executor} executor on {setup.device.type}"
         )
         print(f"run directory: {run_dir.path}")
     _warn(setup.warnings)
@@ -103,7 +110,8 @@ def cmd_run(ns: argparse.Namespace) -> int:
 
 
 def resume_run(ns: argparse.Namespace) -> int:
-    """``contrafl run --resume RUN_DIR [KEY=VALUE...]``: continue from the last checkpoint."""
+    """``contrafl run --resume RUN_DIR [KEY=VALUE...]``: continue from the last checkpoint;
+    with ``rounds=N`` above the run's rounds, extend the run (completed or stopped) to N."""
     from .config import EXECUTION_SETTINGS
     from .engine.progress import Progress
     from .engine.run_dir import RunDir, read_summary
@@ -118,17 +126,24 @@ def resume_run(ns: argparse.Namespace) -> int:
             f"only overrides of where it runs ({', '.join(EXECUTION_SETTINGS)})"
         )
     for key, value in parse_overrides(overrides):
-        if key not in EXECUTION_SETTINGS:
+        if key not in EXECUTION_SETTINGS and key != "rounds":
             raise ContraflError(
                 f"{key}={value} would change what the resumed run computes; a resumed run takes only "
-                f"{', '.join(EXECUTION_SETTINGS)} (start a new run to change {key})"
+                f"{', '.join(EXECUTION_SETTINGS)}, and rounds=N to extend it (start a new run to change {key})"
             )
     run_dir = RunDir(Path(ns.resume), resume=True)
     cfg = load_config(run_dir.path / "config.yaml", overrides)
+    before = load_config(run_dir.path / "config.yaml").rounds or cfg.rounds  # the run's own
     require(cfg.tracking)
     summary = read_summary(run_dir.path)
-    if summary.get("status") == "completed" or summary.get("checkpointed_rounds", 0) >= cfg.rounds:
-        print(f"{run_dir.path} has completed all {cfg.rounds} rounds; nothing to resume")
+    if before is not None and (cfg.rounds is None or cfg.rounds < before):
+        raise ContraflError(
+            f"rounds={cfg.rounds or 'auto'} is fewer than the {before} rounds of {run_dir.path} "
+            f"({summary.get('checkpointed_rounds', 0)} done): --resume takes rounds=N to extend a run, N above {before}"
+        )
+    extending = before is not None and cfg.rounds > before
+    if (summary.get("status") == "completed" and summary.get("rounds", cfg.rounds) >= cfg.rounds) or summary.get("checkpointed_rounds", 0) >= cfg.rounds:
+        print(f"{run_dir.path} has completed all {count(cfg.rounds, 'round')}; nothing to resume")
         return 0
     if not run_dir.checkpoint_path.is_file() and "fingerprint" not in summary and (run_dir.path / "metrics.jsonl").is_file():
         raise ContraflError(
@@ -137,10 +152,14 @@ def resume_run(ns: argparse.Namespace) -> int:
         )
     setup = prepare(cfg)
     sim = resume(setup, run_dir, None if ns.quiet else Progress(setup.config.rounds, sys.stdout))
-    sim.estimated_time_s = summary.get("estimated_time_s")  # made before round 1
+    sim.estimated_time_s = None if extending else summary.get("estimated_time_s")  # made before round 1
     if not ns.quiet:
-        print(f"resuming {run_dir.path} after round {sim.rounds_done} of {setup.config.rounds}")
+        extended = f"extending {run_dir.path} from {before} to {cfg.rounds} rounds," if extending else f"resuming {run_dir.path}"
+        print(f"{extended} after round {sim.rounds_done} of {setup.config.rounds}")
     _warn(setup.warnings)
+    extension = sim.extension()
+    if extension is not None and not extension["equal_to_fresh_run"]:
+        _warn([f"the run extended from {extension['from']} to {extension['to']} rounds differs from a run started with rounds={extension['to']}: {extension['why']}"])
     return run_simulation(sim, ns.quiet)
 
 
@@ -164,7 +183,7 @@ def run_simulation(sim, quiet: bool) -> int:
         print(f"contrafl: the run failed in round {sim.rounds_done + 1} (error above); {_resume_hint(sim)}", file=sys.stderr)
         return EXIT_FAILED
     if not quiet:
-        print(format_summary(summary))
+        print(format_summary(summary, sim.history))
     return 0
 
 
@@ -177,9 +196,12 @@ def _warn(warnings: list[str]) -> None:
         print(f"contrafl: warning: {w}", file=sys.stderr)
 
 
-def format_summary(summary: dict) -> str:
+def format_summary(summary: dict, history: list[dict] | None = None) -> str:
+    """The run's last line: rounds and time, accuracies, privacy spent, replies lost or
+    rejected, stragglers, simulated time and communication (``history``: the rounds'
+    rows, for the replies lost)."""
     final = summary.get("final", {})
-    parts = [f"done: {summary['rounds_completed']} rounds in {summary['wall_time_s']:.1f}s"]
+    parts = [f"done: {count(summary['rounds_completed'], 'round')} in {summary['wall_time_s']:.1f}s"]
     if "test_acc" in final:
         parts.append(f"final test accuracy {final['test_acc']:.4f}")
     if "best_test_acc" in summary:
@@ -193,6 +215,19 @@ def format_summary(summary: dict) -> str:
         parts.append(f"kNN accuracy {final['knn_acc']:.4f}, best {summary['best_knn_acc']:.4f} (round {summary['best_knn_round']})")
     if summary.get("rounds_to_target") is not None or "target_accuracy" in summary:
         parts.append(f"rounds to {summary['target_accuracy']:.2%}: {summary.get('rounds_to_target') or 'not reached'}")
+    if "dp" in summary:
+        epsilon = summary["dp"]["epsilon"]
+        parts.append(f"({'inf' if epsilon is None else f'{epsilon:.3g}'}, {summary['dp']['delta']:g})-DP ({summary['dp']['mode']})")
+    lost = sum(len(row.get("lost", [])) for row in history or [])
+    if lost:
+        parts.append(f"{count(lost, 'reply', 'replies')} lost")
+    if summary.get("rejected_updates"):
+        parts.append(f"{count(summary['rejected_updates'], 'update')} rejected")
+    if "straggler_replies" in summary:
+        stragglers = summary["straggler_replies"]
+        parts.append(f"stragglers: {stragglers['dropped']} dropped, {stragglers['partial']} partial")
+    if "simulated_time" in summary:
+        parts.append(f"simulated time {summary['simulated_time']:.4g}")
     mb = sum(summary["bytes_total"]["down"].values()) + sum(summary["bytes_total"]["up"].values())
     parts.append(f"communication {mb / 2**20:.1f} MiB")
     return "; ".join(parts)
@@ -221,7 +256,7 @@ def cmd_deploy(ns: argparse.Namespace) -> int:
         if ns.node_data and not any(o.startswith("node_data=") for o in overrides):
             overrides = [*overrides, "node_data=own"]
         cfg = load_config(config_path, overrides)
-        path = Path(ns.out) if ns.out else default_run_dir(cfg.algorithm.name, cfg.dataset.name)
+        path = check_output(Path(ns.out) if ns.out else default_run_dir(cfg.algorithm.name, cfg.dataset.name), "--out")
     if ns.min_replies is None:
         ns.min_replies = min(3, cfg.num_clients) if ns.secure_aggregation else 1
     check_settings(cfg, ns.round_timeout, ns.min_replies, ns.secure_aggregation)
@@ -251,7 +286,7 @@ def cmd_deploy(ns: argparse.Namespace) -> int:
         secure_aggregation=ns.secure_aggregation,
         supernode_poll=ns.supernode_poll, echo=sys.stdout, node_data=node_data,
     )
-    print(f"Flower run {result.run_id}: {result.status} in {result.seconds:.1f}s; results in {path}")
+    print(f"Flower run {result.run_id} ended in {result.seconds:.1f}s")
     return 0
 
 
@@ -317,7 +352,7 @@ def cmd_list(ns: argparse.Namespace) -> int:
     if what in ("all", "augmentations"):
         print("augmentations (augment=NAME):")
         for name in augment.AUGMENTATIONS.names():
-            print(f"  {name}{plugin(augment.AUGMENTATIONS, name)}")
+            print(f"  {name:<12} {augment.summary(name)}{plugin(augment.AUGMENTATIONS, name)}")
     if what in ("all", "dp"):
         print("differential privacy (dp=NAME, options dp.OPTION=VALUE; docs/privacy.md):")
         for name, summary in DP_MODES.items():
@@ -341,8 +376,11 @@ def cmd_partition(ns: argparse.Namespace) -> int:
     from .data.partition import format_partition
     from .engine.setup import prepare
     from .eval.plots import plot_partition_heatmap
+    from .eval.report import partition_label
 
     config_path, overrides = _split_run_args(ns.args)
+    if ns.out:
+        check_output(Path(ns.out), "--out", folder=False)
     setup = prepare(load_config(config_path, overrides))
     data, partition = setup.data, setup.partition
     labels = data.train.y.numpy()
@@ -352,7 +390,7 @@ def cmd_partition(ns: argparse.Namespace) -> int:
         partition.counts(labels, data.num_classes),
         out,
         classes=data.classes,
-        title=f"{data.name}, {partition.method} {json.dumps(partition.options)}",
+        title=f"{data.name}, {partition_label({'name': partition.method, **partition.options})}, seed {setup.config.seed}",
     )
     if ns.json:
         partition.save(Path(ns.json))
@@ -379,7 +417,7 @@ def cmd_report(ns: argparse.Namespace) -> int:
         from .eval.html import write_html
 
         argv = ["report", *ns.runs, "--html", ns.html]
-        out = write_html(paths, Path(ns.html), argv)
+        out = write_html(paths, check_output(Path(ns.html), "--html", folder=False), argv)
         print(f"report written to {out} ({out.stat().st_size / 2**10:.0f} KiB, self-contained)")
         return 0
     if ns.markdown and len(paths) == 1 and (paths[0] / SUITE_RECORD).is_file():
@@ -421,13 +459,13 @@ def cmd_eval_repr(ns: argparse.Namespace) -> int:
 def cmd_plot_repr(ns: argparse.Namespace) -> int:
     from .eval.tsne import FIGURE, plot_run
 
-    out = Path(ns.out) if ns.out else Path(ns.run_dir) / FIGURE
+    out = check_output(Path(ns.out) if ns.out else Path(ns.run_dir) / FIGURE, "--out", folder=False)
     result = plot_run(
         Path(ns.run_dir), clients=ns.clients, local=not ns.no_local, samples=ns.samples, perplexity=ns.perplexity,
         seed=ns.seed, device=ns.device, out=out,
     )
-    scores = ", ".join(
-        f"{p['title']} silhouette {p['silhouette']:.3f} (kNN {p['knn_acc']:.3f})" for p in result["panels"]
+    scores = "; ".join(
+        f"{p['title']} silhouette {p['silhouette']:.3f}, leave-one-out {result['knn_k']}-NN accuracy {p['knn_acc']:.3f}" for p in result["panels"]
     )
     skipped = f"; no global panel: {result['note']}" if "note" in result else ""
     print(f"{ns.run_dir}: round {result['round']}, t-SNE of {result['samples']} test samples: {scores}{skipped}; "
@@ -441,12 +479,13 @@ def cmd_experiment(ns: argparse.Namespace) -> int:
     suite = load_suite(Path(ns.file))
     if ns.seeds:
         suite.seeds = _seeds(ns.seeds)
-    out = Path(ns.out) if ns.out else Path("runs") / "experiments" / Path(ns.file).stem
+    out = check_output(Path(ns.out) if ns.out else Path("runs") / "experiments" / Path(ns.file).stem, "--out")
     methods = ns.methods.split(",") if ns.methods else None
     return _run_suite(suite, out, ns.overrides, methods, f"results: {out / 'results.md'}, curves: {out / 'curves.png'}")
 
 
 def cmd_compare(ns: argparse.Namespace) -> int:
+    from .eval.report import algorithm_label
     from .eval.suite import Suite
 
     algorithms = [a for a in ns.args if "=" not in a]
@@ -460,15 +499,17 @@ def cmd_compare(ns: argparse.Namespace) -> int:
             methods[head]["algorithm"][option] = value
         else:
             overrides.append(f"{key}={value}")
+    # each method named as `contrafl report` labels it: the algorithm and its options that differ from their defaults
+    labels = {a: algorithm_label(m["algorithm"]) for a, m in methods.items()}
     suite = Suite(
-        name="compare " + " vs ".join(algorithms),
+        name="compare " + " vs ".join(labels.values()),
         base={},
-        methods=methods,
+        methods={labels[a]: m for a, m in methods.items()},
         seeds=_seeds(ns.seeds),
-        target={"from": algorithms[0]},
+        target={"from": labels[algorithms[0]]},
     )
-    out = Path(ns.out) if ns.out else Path("runs") / ("compare-" + "-".join(algorithms))
-    done = f"rounds to {algorithms[0]}'s final accuracy in the last column; runs and curves in {out}"
+    out = check_output(Path(ns.out) if ns.out else Path("runs") / ("compare-" + "-".join(algorithms)), "--out")
+    done = f"rounds to {labels[algorithms[0]]}'s final accuracy in the last column; runs and curves in {out}"
     return _run_suite(suite, out, overrides, None, done)
 
 
@@ -480,7 +521,7 @@ def cmd_sweep(ns: argparse.Namespace) -> int:
         sweep.seeds = _seeds(ns.seeds)
     if ns.workers is not None and ns.workers < 1:
         raise ContraflError(f"--workers {ns.workers} is invalid: expected a number of processes >= 1")
-    out = Path(ns.out) if ns.out else Path("runs") / "sweeps" / Path(ns.file).stem
+    out = check_output(Path(ns.out) if ns.out else Path("runs") / "sweeps" / Path(ns.file).stem, "--out")
     try:
         results = run_sweep(sweep, out, ns.overrides, ns.workers, sys.stdout, dry_run=ns.dry_run)
     except KeyboardInterrupt as exc:
@@ -559,6 +600,8 @@ def build_parser() -> argparse.ArgumentParser:
             summary.json (with the run's status) and the checkpoint of the last round
             (checkpoint.pt, client-state/); a stopped run continues with
               contrafl run --resume RUN_DIR
+            and a stopped or finished one goes on to N rounds with
+              contrafl run --resume RUN_DIR rounds=N
             Exit status: 0 completed, 1 failed (unexpected error), 2 invalid input,
             3 a client update was rejected (on_bad_update=stop), 128+N stopped by
             signal N (130 Ctrl-C, 143 SIGTERM)."""
@@ -570,7 +613,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--out", metavar="DIR", help="run directory (default: runs/<time>-<algorithm>-<dataset>)")
     run.add_argument("--quiet", action="store_true", help="print nothing; results go to the run directory")
     run.add_argument("--resume", metavar="RUN_DIR",
-                     help="continue a stopped run from its last checkpoint (KEY=VALUE: only where it runs, e.g. executor, device)")
+                     help="continue a stopped run from its last checkpoint (KEY=VALUE: only where it runs, e.g. executor, device; rounds=N extends a run to N rounds)")
     run.set_defaults(func=cmd_run, settings_dest="args")
 
     dep = sub.add_parser(
@@ -834,10 +877,32 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argpa
     dest = getattr(ns, "settings_dest", None)
     stray = [a for a in extra if dest is None or a.startswith("-") or "=" not in a]
     if stray:
-        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+        command = command_parser(parser, ns)
+        setting = stray[0].lstrip("-").partition("=")[0].replace("-", "_")
+        if stray[0].startswith("--") and dest is not None and setting in SETTINGS_NAMES:
+            given = list(sys.argv[1:] if argv is None else argv)
+            at = given.index(stray[0])
+            value = stray[0].partition("=")[2] or (given[at + 1] if at + 1 < len(given) else "VALUE")
+            written = stray[0] if "=" in stray[0] else " ".join(given[at: at + 2])
+            command.error(f"settings are KEY=VALUE, not options: {setting}={value} instead of {written}")
+        command.error(f"unrecognized arguments: {' '.join(stray)}")
     if extra:
         setattr(ns, dest, [*getattr(ns, dest), *extra])
     return ns
+
+
+SETTINGS_NAMES = frozenset([*SETTINGS, *COMPONENTS])
+"""What ``KEY=VALUE`` may name (a setting or a component)."""
+
+
+def command_parser(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> argparse.ArgumentParser:
+    """The parser of the (sub)command ``ns`` ran, whose usage an error shows."""
+    for name in ("command", "data_command"):
+        choices = next((a.choices for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+        if choices is None or getattr(ns, name, None) not in choices:
+            break
+        parser = choices[getattr(ns, name)]
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -851,6 +916,13 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("\ncontrafl: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader left (`contrafl list | head -1`): stop quietly, as `cat` does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush writes nowhere
+        return EXIT_BROKEN_PIPE
+
+
+EXIT_BROKEN_PIPE = 128 + 13
+"""The exit status of a command whose output was closed by its reader (SIGPIPE's)."""
 
 
 if __name__ == "__main__":

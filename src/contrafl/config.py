@@ -226,6 +226,8 @@ NEUTRAL_VALUES: dict[str, Any] = {
     "node_data": "shared",
     "server_test": None,
     "global_eval": "server",
+    "algorithm.rotation_head": "train",  # the self-supervised baselines trained their rotation heads
+    "algorithm.variant": "fedu2",  # Orchestra as FedU2's code runs it
 }
 
 

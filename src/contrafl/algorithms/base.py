@@ -368,6 +368,16 @@ class Algorithm:
         return None
 
     @classmethod
+    def depends_on_total_rounds(cls, params: Any) -> str | None:
+        """Why what round ``t`` computes with ``params`` depends on the run's total
+        rounds (:attr:`Federation.rounds`: a learning-rate or loss-weight schedule over
+        ``T``), or None. An algorithm that reads ``Federation.rounds`` must say so here:
+        a run extended to more rounds (``contrafl run --resume RUN rounds=N``) then
+        reports that it differs from a run started with ``N`` rounds, and this sentence
+        why."""
+        return None
+
+    @classmethod
     def inapplicable(cls, params: Any) -> dict[str, str]:
         """The options that have no effect with ``params``, each with the setting under
         which it would (``{"ema": "method=byol"}``): ``contrafl list`` leaves them out or

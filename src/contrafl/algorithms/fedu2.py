@@ -15,7 +15,7 @@ from .aggregation import weighted_average
 from .base import Batch, Reply, ServerState, StateDict
 from .eua import eua_direction
 from .registry import ALGORITHMS
-from .ssl import METHODS, SelfSupervised, SSLParams
+from .ssl import METHODS, ROTATION_HEADS, SelfSupervised, SSLParams
 from .uniformity import UOT_ITERATIONS, UOT_SOLVERS, tangent_sliced_wasserstein, uot_uniformity
 
 
@@ -23,6 +23,7 @@ from .uniformity import UOT_ITERATIONS, UOT_SOLVERS, tangent_sliced_wasserstein,
 class FedU2Params(SSLParams):
     method: str = P.param("byol", P.OneOf(METHODS), "the self-supervised backbone method (the paper's main one: BYOL)")
     share_target: bool = P.param(True, None, "BYOL: send and aggregate the target network with the model (FedU2's code)")
+    rotation_head: str = P.param("fedu2", P.OneOf(ROTATION_HEADS), "with rotation > 0: fedu2 = FedU2's code (BYOL's optimiser leaves the head at its initialisation, SimCLR's and SimSiam's train it), train, or fixed")
     lam_u: float = P.param(0.1, P.Interval(0, None), "lambda_U, weight of FUR on each view (eq. 2; code: 0.01)")
     uniformity: str = P.param("uot", P.OneOf(("uot", "tangent_sw", "none")), "FUR: the paper's UOT to sphere samples, the code's tangent sliced Wasserstein, or none (the -FUR ablation)")
     tau_a: float = P.param(0.8, P.Interval(0, None, "neither"), "UOT penalty on the representations' marginal")
@@ -65,6 +66,13 @@ class FedU2(SelfSupervised):
     ``d_k = 2 (theta_g - theta_k) / ||theta_g - theta_k||``, MGDA's min-norm solver started
     at the aggregation weights, ``theta_g <- theta_g - eta sum_k p_k d_k``. BatchNorm statistics are the weighted average of the clients'. The
     weights ``p`` are kept in ``extras["eua_weights"]`` by client.
+
+    With ``rotation > 0`` (the code's ``use_deg``, set by its ``main.py:54``) the rotation
+    loss trains the encoder and projector; ``rotation_head=fedu2`` (default) does what
+    the code's client of the method does with the head itself: BYOL's optimiser does not
+    hold it, so it stays at its random initialisation
+    (``src/my/algo/fedU2/fedbyol_client.py:125-130``), SimCLR's and SimSiam's train it
+    (``fedsimclr_client.py:106-109``, ``fedsimsiam_client.py:105-108``).
     """
 
     name = "fedu2"

@@ -1,6 +1,30 @@
 """Orchestra: unsupervised federated learning by global clustering (Lubana, Tang, Kawsar,
-Dick, Mathur, ICML 2022), as FedU2's code runs it for its baseline (XeniaLLL/FedU2
-``src/my/algo/fedorche``; facts in docs/design/fedu2_reference.md section 2.7)."""
+Dick, Mathur, ICML 2022), in two variants: as FedU2's code runs it for its baseline
+(``variant=fedu2``, XeniaLLL/FedU2 ``src/my/algo/fedorche``; facts in
+docs/design/fedu2_reference.md section 2.7) and as the official code does
+(``variant=official``, akhilmathurs/orchestra at b6ae718: ``models.py``, ``client.py``,
+``myfedavg.py``).
+
+Where the official code differs from FedU2's re-implementation (files of the official
+code unless named):
+
+- the target network travels: with ``stateful_client=False`` (``config.py:25``, its
+  default) ``set_parameters`` loads every entry of the global state but the memory,
+  ``target_*`` included (``client.py:140-147``), ``get_parameters`` returns the whole
+  state (``client.py:137-138``) and the server averages all of it
+  (``myfedavg.py:97-103``); FedU2's client keeps its own target and receives the online
+  networks only (``fedorche/client.py:55-56, 226-229``);
+- the forward runs the online network on the first view, ``Z1`` (``models.py:657``),
+  whose output nothing uses but whose train-mode BatchNorm statistics it updates, before
+  the second view's (``models.py:658``); FedU2's code comments it out
+  (``fedorche/client.py:184``);
+- clients are weighted by ``len(trainloader)`` (``client.py:164``) of a ``drop_last=True``
+  loader (``utils.py:357``), ``floor(n_k / B)``; FedU2's by the ``len`` of a loader
+  without ``drop_last`` (``fedorche/server.py:55``, ``train_fedorche.py:66``),
+  ``ceil(n_k / B)``;
+- global clustering takes 500 SGD steps (``models.py:624``); FedU2's 50
+  (``fedorche/server.py:98``).
+"""
 
 from __future__ import annotations
 
@@ -15,7 +39,7 @@ from .. import params as P
 from ..rng import generator
 from ..errors import ConfigError
 from ..models.base import Heads
-from .aggregation import weighted_average
+from .aggregation import sample_weights, weighted_average
 from .base import (
     Batch,
     ClientContext,
@@ -35,8 +59,19 @@ from .registry import ALGORITHMS
 from .ssl import SelfSupervised, rotation_loss, target_part
 
 
+VARIANTS = ("fedu2", "official")
+WEIGHTINGS = ("samples", "batches", "full_batches")
+GLOBAL_STEPS = {"fedu2": 50, "official": 500}
+"""Global clustering's SGD steps of each variant: FedU2's ``fedorche/server.py:98``, the
+official ``models.py:624``."""
+WEIGHTING = {"fedu2": "batches", "official": "full_batches"}
+"""Aggregation weights of each variant: ``ceil(n_k / B)`` (FedU2's ``fedorche/server.py:55``)
+or ``floor(n_k / B)`` (the official ``client.py:164`` with ``utils.py:357``)."""
+
+
 @dataclass(frozen=True)
 class OrchestraParams:
+    variant: str = P.param("fedu2", P.OneOf(VARIANTS), "fedu2: FedU2's re-implementation (its baseline); official: akhilmathurs/orchestra (target sent and averaged, an unused online forward of x1, floor(n_k / B) weights, 500 clustering steps)")
     temperature: float = P.param(0.1, P.Interval(0, None, "neither"), "softmax temperature T of the cluster assignments")
     ema: float = P.param(0.996, P.Interval(0, 1), "target update xi <- ema xi + (1 - ema) theta before every step")
     global_clusters: int = P.param(128, P.Interval(1, None), "number of global centroids")
@@ -46,12 +81,12 @@ class OrchestraParams:
     sinkhorn_lambda: float = P.param(25.0, P.Interval(0, None, "neither"), "Sinkhorn-Knopp's inverse entropic regularisation lambda")
     local_iterations: int = P.param(5, P.Interval(1, None), "iterations of the local (balanced k-means) clustering")
     local_sinkhorn_iters: int = P.param(10, P.Interval(1, None), "Sinkhorn-Knopp iterations of local clustering")
-    global_steps: int = P.param(50, P.Interval(1, None), "SGD steps of global clustering per round")
+    global_steps: int | None = P.param(None, P.Interval(1, None), "SGD steps of global clustering per round (none: the variant's, 50 fedu2, 500 official)")
     global_sinkhorn_iters: int = P.param(100, P.Interval(1, None), "Sinkhorn-Knopp iterations of global clustering")
     global_lr: float = P.param(0.01, P.Interval(0, None, "neither"), "learning rate of global clustering")
     global_momentum: float = P.param(0.9, P.Interval(0, 1, "right"), "momentum of global clustering")
     global_weight_decay: float = P.param(1e-4, P.Interval(0, None), "weight decay of global clustering")
-    weighting: str = P.param("batches", P.OneOf(("samples", "batches")), "aggregation weights: n_k, or the number of batches ceil(n_k / B) (FedU2's code)")
+    weighting: str | None = P.param(None, P.OneOf(WEIGHTINGS), "aggregation weights: n_k, ceil(n_k / B) (batches, FedU2's code) or floor(n_k / B) (full_batches, the official code); none: the variant's")
 
 
 @ALGORITHMS.register("orchestra")
@@ -61,7 +96,9 @@ class Orchestra(SelfSupervised):
     The server keeps global centroids ``C [G, d]`` (unit rows). Client ``k`` keeps a
     target network ``xi`` (EMA of its online network ``theta``), a memory ``Mem [M, d]`` of
     its latest target projections and, between rounds, nothing else (the optimiser's
-    momentum persists with ``persist_optimizer_state=true``, as in the code). On views
+    momentum persists with ``persist_optimizer_state=true``, as in FedU2's code, whose
+    client builds its optimiser once, ``fedorche/client.py:69``; the official client
+    builds a fresh one every round, ``client.py:49``: ``persist_optimizer_state=false``). On views
     ``x1 ~ T1``, ``x2 ~ T2`` (``augment=orchestra``) and ``x3 = rot_a(T1(x))``, at every
     step::
 
@@ -74,10 +111,19 @@ class Orchestra(SelfSupervised):
     After training the client clusters ``Mem`` into ``L`` local centroids
     (:func:`local_clustering`) and sends them with its online network. The server
     averages the networks (weights ``ceil(n_k / B)``, BatchNorm statistics included)
-    and fits ``C`` to the union of the local centroids (:func:`global_clustering`).
+    and fits ``C`` to the union of the local centroids (:func:`global_clustering`, 50
+    steps).
     Round 0 only clusters: every client fills its memory with the target projections of
     ``T1`` views of its first ``M`` samples (repeated if it has fewer) and sends its
     local centroids; the server runs global clustering and keeps the model.
+
+    ``variant=official`` (the module's docstring gives the lines): the server keeps the
+    target network beside the model (a copy of the initial model), sends it, and
+    averages the returned targets with the same weights, so the client keeps only its
+    memory; the loss first runs the online network on ``x1`` in train mode (the output
+    unused, its BatchNorm statistics updated; no gradient); weights ``floor(n_k / B)``;
+    500 steps of global clustering. ``weighting`` and ``global_steps`` override the
+    variant's.
     """
 
     name = "orchestra"
@@ -98,41 +144,87 @@ class Orchestra(SelfSupervised):
     def heads(cls, params: Any) -> Heads:
         return Heads(classifier=False, extra=(("rotation", 4),) if params.rotation > 0 else ())
 
+    @property
+    def official(self) -> bool:
+        return self.params.variant == "official"
+
+    @property
+    def global_steps(self) -> int:
+        """``global_steps``, or the variant's (:data:`GLOBAL_STEPS`)."""
+        return self.params.global_steps or GLOBAL_STEPS[self.params.variant]
+
+    @property
+    def weighting(self) -> str:
+        """``weighting``, or the variant's (:data:`WEIGHTING`)."""
+        return self.params.weighting or WEIGHTING[self.params.variant]
+
     # -- server ------------------------------------------------------------------------
     def init_server(self, model: StateDict) -> ServerState:
         """``C`` drawn like ``nn.Linear(d, G, bias=False)``'s weight: uniform in
-        ``[-1/sqrt(d), 1/sqrt(d)]`` (normalised by the first global clustering)."""
+        ``[-1/sqrt(d), 1/sqrt(d)]`` (normalised by the first global clustering); with
+        ``variant=official`` also the target network, a copy of the initial model's
+        encoder and projector (``models.py:524-535``)."""
         d, G = self.federation.rep_dim, self.params.global_clusters
         bound = 1 / math.sqrt(d)
         g = generator(self.federation.seed, "orchestra-centroids")
         C = (torch.rand(G, d, generator=g) * 2 - 1) * bound
-        return ServerState(model, {"centroids": C.to(next(iter(model.values())).device)})
+        extras: dict[str, Any] = {"centroids": C.to(next(iter(model.values())).device)}
+        if self.official:
+            extras["target"] = target_part(model)
+        return ServerState(model, extras)
 
     def broadcast(self, server: ServerState, round: int) -> dict[str, Any]:
-        return {"model": server.model, "centroids": server.extras["centroids"]}
+        message = {"model": server.model, "centroids": server.extras["centroids"]}
+        if self.official:
+            message["target"] = server.extras["target"]
+        return message
 
     def reply_spec(self, message: dict[str, Any]) -> dict[str, Any]:
         C = message["centroids"]
-        return {"model": spec_of(message["model"]), "local_centroids": TensorSpec((self.params.local_clusters, C.shape[1]), C.dtype)}
+        spec = {"model": spec_of(message["model"]), "local_centroids": TensorSpec((self.params.local_clusters, C.shape[1]), C.dtype)}
+        if "target" in message:
+            spec["target"] = spec_of(message["target"])
+        return spec
 
     @classmethod
     def individual_updates(cls, params: Any) -> str | None:
         return "Orchestra's server clusters every client's local centroids"
 
+    def weights(self, replies: list[Reply]) -> list[float]:
+        """``n_k``, ``ceil(n_k / B)`` (``batches``) or ``floor(n_k / B)``
+        (``full_batches``: the official code's ``len`` of a ``drop_last`` loader, so a
+        client with fewer than ``B`` samples weighs 0), normalised; equal weights when
+        they are all 0."""
+        if self.weighting == "samples":
+            return sample_weights(replies)
+        B = self.federation.batch_size
+        sizes = [-(-r.num_samples // B) if self.weighting == "batches" else r.num_samples // B for r in replies]
+        total = sum(sizes)
+        return [s / total for s in sizes] if total else [1.0 / len(replies)] * len(replies)
+
     def aggregate(self, server: ServerState, replies: list[Reply], round: int) -> ServerState:
         p = self.params
-        model = server.model if round == 0 else weighted_average([r.payload["model"] for r in replies], self.weights(replies))
+        extras = dict(server.extras)
+        model = server.model
+        if round > 0:  # round 0 trains nothing: the model (and target) stay
+            weights = self.weights(replies)
+            model = weighted_average([r.payload["model"] for r in replies], weights)
+            if "target" in extras:
+                extras["target"] = weighted_average([r.payload["target"] for r in replies], weights)
         Z = torch.cat([r.payload["local_centroids"] for r in replies])
-        C = global_clustering(
-            server.extras["centroids"], Z, p.temperature, p.global_steps, p.global_lr, p.global_momentum,
+        extras["centroids"] = global_clustering(
+            server.extras["centroids"], Z, p.temperature, self.global_steps, p.global_lr, p.global_momentum,
             p.global_weight_decay, p.sinkhorn_lambda, p.global_sinkhorn_iters,
         )
-        return ServerState(model, {**server.extras, "centroids": C})
+        return ServerState(model, extras)
 
     # -- client ------------------------------------------------------------------------
     def client_begin(self, message: dict[str, Any], state: dict[str, Any], ctx: ClientContext) -> LocalTask:
         params, buffers = self.federation.split(message["model"])
-        target = state.get("target") or target_part(message["model"])
+        if self.official:  # received every round (client.py:140-147)
+            target = message["target"]
+        else:  # kept on the client (fedorche/client.py:55-56)
+            target = state.get("target") or target_part(message["model"])
         t_params, t_buffers = self.federation.split({**message["model"], **target})
         memory = state["memory"] if "memory" in state else self.fill_memory(t_params, t_buffers, ctx)
         return LocalTask(
@@ -164,6 +256,9 @@ class Orchestra(SelfSupervised):
     def local_loss(self, task: TaskView, batch: Batch, net: Network):
         T, C = self.params.temperature, task.consts["centroids"]
         model = {**task.params["model"], **task.buffers["model"]}
+        if self.official:  # Z1 (models.py:657): unused, but its BatchNorm statistics are updated
+            with torch.no_grad():
+                net(model, batch.x[0], train=True)
         z2 = F.normalize(net(model, batch.x[1], train=True).z, dim=1)
         target = {**task.params["target"], **task.buffers["target"]}
         with torch.no_grad():  # train mode: the target's statistics follow its forwards
@@ -192,7 +287,11 @@ class Orchestra(SelfSupervised):
         bank = result.params["memory"]["bank"].detach().clone()
         local = local_clustering(bank, p.local_clusters, p.local_iterations, p.sinkhorn_lambda, p.local_sinkhorn_iters, ctx.generator("orchestra-local"))
         payload = {"model": model_state(result), "local_centroids": local}
-        return Reply(ctx.cid, ctx.num_samples, payload), {"target": target_part(model_state(result, "target")), "memory": bank}
+        target = target_part(model_state(result, "target"))
+        if self.official:  # sent with the model (client.py:137-138)
+            payload["target"] = target
+            return Reply(ctx.cid, ctx.num_samples, payload), {"memory": bank}
+        return Reply(ctx.cid, ctx.num_samples, payload), {"target": target, "memory": bank}
 
 
 # -- clustering ---------------------------------------------------------------------------

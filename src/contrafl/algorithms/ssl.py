@@ -8,7 +8,8 @@ no classifier, and for BYOL and SimSiam a predictor of the same shape. Labels ne
 reach the loss. Each sample comes as two augmented views (``augment=simclr``); with
 ``rotation > 0`` a third, independently augmented view is turned by a random multiple
 of 90 degrees and a linear head on its projection predicts the turn (the auxiliary loss
-of FedU2's code, ``use_deg``).
+of FedU2's code, ``use_deg``); ``rotation_head`` says whether the optimiser trains that
+head (FedU2's BYOL client leaves it at its initialisation).
 """
 
 from __future__ import annotations
@@ -42,6 +43,11 @@ from .registry import ALGORITHMS
 
 METHODS = ("simclr", "byol", "simsiam")
 HEADLESS = ("predictor.", "heads.", "l3.")  # not part of BYOL's target network
+ROTATION_HEAD = "heads.rotation."  # the rotation classifier's parameters
+ROTATION_HEADS = ("train", "fixed", "fedu2")
+"""``rotation_head``: the optimiser trains the rotation head, leaves it at its
+initialisation, or does what FedU2's client of the method does (fixed for BYOL, trained
+for SimCLR and SimSiam)."""
 
 
 # -- objectives ---------------------------------------------------------------------------
@@ -97,11 +103,28 @@ def rotate_quarters(x: torch.Tensor, turns: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def rotation_loss(task: TaskView, batch: Batch, net: Network) -> torch.Tensor:
+def rotation_loss(task: TaskView, batch: Batch, net: Network, fixed_head: bool = False) -> torch.Tensor:
     """FedU2's auxiliary loss: ``CE(rot(proj(enc(rot_a(x3)))), a)`` on the third view with
-    turns ``a`` uniform on ``{0..3}``."""
+    turns ``a`` uniform on ``{0..3}``.
+
+    The head reads the projection, not the predictor (XeniaLLL/FedU2
+    ``src/my/model/contrastive_model.py:32, 57, 95``: ``deg_layer(projector(encoder(x3)))``).
+    The model computes every head, so the predictor also runs on the rotated view here,
+    on a copy of its BatchNorm statistics: its running statistics see the two views only,
+    as in the code (the encoder's and projector's see the third view too, as there).
+
+    ``fixed_head``: the head's parameters enter detached, so no gradient reaches them and
+    the optimiser leaves them at their values (no weight decay, no momentum: a parameter
+    without a gradient is skipped, as ``torch.optim`` skips it), as FedU2's BYOL client,
+    whose optimiser holds the online encoder, projector and predictor but not
+    ``deg_layer`` (``src/my/algo/fedU2/fedbyol_client.py:125-130``); the loss still trains
+    the encoder and projector through the head's fixed weights."""
     turns = quadrant(batch.noise["rotation"])
-    out = net({**task.params["model"], **task.buffers["model"]}, rotate_quarters(batch.x[2], turns), train=True)
+    params = task.params["model"]
+    if fixed_head:
+        params = {k: v.detach() if k.startswith(ROTATION_HEAD) else v for k, v in params.items()}
+    buffers = {k: v.clone() if k.startswith("predictor.") else v for k, v in task.buffers["model"].items()}
+    out = net({**params, **buffers}, rotate_quarters(batch.x[2], turns), train=True)
     return F.cross_entropy(out.extra["rotation"], turns)
 
 
@@ -116,6 +139,7 @@ class SSLParams:
     weighting: str = P.param("samples", P.OneOf(("samples", "batches")), "aggregation weights: n_k, or the number of batches ceil(n_k / B) (FedU2's code)")
     even_steps: bool = P.param(False, None, "FedU2's EvenClient: client k runs min(max_steps // batches_k, 10) epochs, max_steps = (max_j n_j // B + 1) E")
     share_target: bool = P.param(False, None, "BYOL: send and average the target network (FedU2) instead of keeping it on the client (FedBYOL)")
+    rotation_head: str = P.param("train", P.OneOf(ROTATION_HEADS), "with rotation > 0: train the rotation head (FedU2's baseline clients), keep it fixed at its initialisation (FedU2's BYOL client), or fedu2: as FedU2's client of the method (fixed for BYOL, trained for SimCLR/SimSiam)")
 
 
 METHOD_OPTIONS: dict[str, tuple[str, ...]] = {
@@ -140,7 +164,8 @@ class SelfSupervised(Algorithm):
 
     plus :meth:`regularizer` (FedDecorr's decorrelation, FedU2's uniformity) and, with
     ``rotation > 0``, ``rotation * CE(rot(z3'), a)`` on a third view turned by ``90 a``
-    degrees. BYOL's target network ``xi`` has no gradient: after every optimiser step
+    degrees (:func:`rotation_loss`; the head trained or, ``rotation_head=fixed``, left at
+    its initialisation). BYOL's target network ``xi`` has no gradient: after every optimiser step
     ``xi <- ema xi + (1 - ema) theta`` over the encoder's and projector's parameters
     (its BatchNorm statistics follow its own train-mode forwards). It starts as a copy
     of the online network the first time a client trains and stays on the client
@@ -176,16 +201,19 @@ class SelfSupervised(Algorithm):
     @classmethod
     def inapplicable(cls, params: Any) -> dict[str, str]:
         """The options of :class:`SSLParams` that the method does not use
-        (:data:`METHOD_OPTIONS`); algorithms with options of their own (Orchestra, FedX)
-        use all of theirs."""
+        (:data:`METHOD_OPTIONS`), and ``rotation_head`` without the rotation loss;
+        algorithms with options of their own (Orchestra, FedX) use all of theirs."""
         if not isinstance(params, SSLParams):
             return {}
         method = cls.method_of(params)
-        return {option: "method=" + "|".join(methods) for option, methods in METHOD_OPTIONS.items() if method not in methods}
+        out = {option: "method=" + "|".join(methods) for option, methods in METHOD_OPTIONS.items() if method not in methods}
+        if params.rotation == 0:
+            out["rotation_head"] = "rotation=1"
+        return out
 
     @classmethod
     def needs_all_clients_data(cls, params: Any) -> str | None:
-        if params.even_steps:
+        if getattr(params, "even_steps", False):  # Orchestra's and FedX's options have none
             return "algorithm.even_steps=true sets each client's epochs from the largest client's sample count; set algorithm.even_steps=false"
         return None
 
@@ -205,6 +233,16 @@ class SelfSupervised(Algorithm):
     @property
     def byol(self) -> bool:
         return self.method_of(self.params) == "byol"
+
+    @property
+    def rotation_head_fixed(self) -> bool:
+        """Whether the optimiser leaves the rotation head at its initialisation:
+        ``rotation_head=fixed``, or ``fedu2`` with BYOL (FedU2's ``ByolEvenClient``,
+        ``fedbyol_client.py:125-130``; its SimCLR and SimSiam clients optimise
+        ``self.model.parameters()``, head included: ``fedsimclr_client.py:106-109``,
+        ``fedsimsiam_client.py:105-108``)."""
+        mode = getattr(self.params, "rotation_head", "train")
+        return mode == "fixed" or (mode == "fedu2" and self.byol)
 
     # -- server ------------------------------------------------------------------------
     def broadcast(self, server: ServerState, round: int) -> dict[str, Any]:
@@ -274,7 +312,7 @@ class SelfSupervised(Algorithm):
         loss = align + reg
         stats = {"align": align.detach(), **stats}
         if self.params.rotation > 0:
-            rot = rotation_loss(task, batch, net)
+            rot = rotation_loss(task, batch, net, self.rotation_head_fixed)
             loss = loss + self.params.rotation * rot
             stats["rotation"] = rot.detach()
         return loss, {"loss": loss.detach(), **stats}

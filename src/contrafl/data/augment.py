@@ -662,6 +662,26 @@ TransformFactory = Callable[[Sequence[float] | None, Sequence[float] | None], "T
 
 AUGMENTATIONS: Registry[TransformFactory] = Registry("augmentation", "contrafl.augmentations")
 
+SUMMARIES = {
+    "none": "no augmentation: to float and normalise (any data)",
+    "cifar10": "MOON's CIFAR-10 training: reflect-pad 4, random crop back to the size, flip (images)",
+    "cifar100": "MOON's CIFAR-100 training: zero-pad 4, random crop back to the size, flip, rotation of up to 15 degrees (images)",
+    "flip": "horizontal flip with p = 0.5 (images of any size; two views for self-supervised learning on them)",
+    "simclr": "FedU2's SimCLR/BYOL views: resized crop, colour jitter, grayscale, flip (3x32x32 images)",
+    "scarf": "SCARF's random feature corruption, rate 0.6 (feature vectors)",
+    "finetune": "FedU2's fine-tuning: resized crop (area 0.64-1), flip (3x32x32 images)",
+    "orchestra": "Orchestra's two asymmetric views: resized crops, colour jitter, grayscale, blur, flip (3x32x32 images)",
+}
+"""One line for ``contrafl list`` per built-in pipeline (a plugin's: its docstring's first line)."""
+
+
+def summary(name: str) -> str:
+    """What the pipeline ``name`` does, in one line."""
+    canonical = AUGMENTATIONS.canonical(name)
+    if canonical in SUMMARIES:
+        return SUMMARIES[canonical]
+    return ((AUGMENTATIONS.get(canonical).__doc__ or "").strip().splitlines() or [""])[0]
+
 
 def eval_transform(mean: Sequence[float] | None, std: Sequence[float] | None) -> Transform:
     """To float, then normalise (skipped when ``mean`` is ``None``, e.g. tabular data)."""

@@ -36,7 +36,8 @@ CHECKPOINT_KEYS = (
     "wall_time_s",
 )
 """The entries of every checkpoint (:meth:`~contrafl.engine.simulation.Simulation.save_checkpoint`;
-the optional ``privacy`` is checked where it is restored, by ``Privacy.load_state_dict``)."""
+the optional ``privacy`` is checked where it is restored, by ``Privacy.load_state_dict``; the
+optional ``extensions``, of a run extended to more rounds, by :func:`check_checkpoint`)."""
 
 FOREIGN = "the checkpoint was not written by contrafl or was edited: start the run again in a new directory"
 """The end of every message about a checkpoint whose content is not what contrafl writes."""
@@ -157,13 +158,14 @@ def check_client_state(obj: Any, path: Path, cid: int) -> None:
 def check_checkpoint(obj: Any, path: Path, cfg: Config, model: Mapping[str, torch.Tensor]) -> None:
     """Refuse ``obj``, the checkpoint read from ``path``, unless a run of ``cfg`` whose
     freshly initialised server model is ``model`` can continue from it: a dict of
-    :data:`CHECKPOINT_KEYS` in :data:`CHECKPOINT_FORMAT` with ``cfg``'s fingerprint
-    (checked before everything that depends on the configuration), a round in
-    ``0..cfg.rounds`` and one history row per round (a dict of JSON values with its
-    round), a server model with exactly the names, shapes and dtypes of ``model``, a
-    server-optimiser velocity of some of them, client states of clients
-    ``0..cfg.num_clients - 1`` (:func:`client_files`), communication totals in bytes and
-    a wall time. The first violation is one :class:`CheckpointError` line naming the
+    :data:`CHECKPOINT_KEYS` in :data:`CHECKPOINT_FORMAT` with ``cfg``'s fingerprint, or
+    that of ``cfg`` with fewer rounds (:func:`extended_from`; checked before everything
+    that depends on the configuration), a round in ``0..cfg.rounds`` and one history
+    row per round (a dict of JSON values with its round), a server model with exactly
+    the names, shapes and dtypes of ``model``, a server-optimiser velocity of some of
+    them, client states of clients ``0..cfg.num_clients - 1`` (:func:`client_files`),
+    communication totals in bytes, a wall time and the run's extensions to more rounds
+    (optional). The first violation is one :class:`CheckpointError` line naming the
     entry, its value and what was expected."""
 
     def bad(entry: str, value: Any, expected: str) -> CheckpointError:
@@ -185,8 +187,11 @@ def check_checkpoint(obj: Any, path: Path, cfg: Config, model: Mapping[str, torc
         raise bad("fingerprint", obj["fingerprint"], "the configuration's hash, a string")
     if not (isinstance(obj["config"], dict) and all(isinstance(key, str) for key in obj["config"])):
         raise bad("config", obj["config"], "the run's configuration, a dict of settings")
-    if obj["fingerprint"] != fingerprint(cfg):
+    if obj["fingerprint"] != fingerprint(cfg) and extended_from(obj, cfg) is None:
         changed = differences(obj["config"], cfg.to_dict())
+        before = obj["config"].get("rounds")
+        if is_whole(before) and cfg.rounds is not None and before < cfg.rounds:  # more rounds alone is an extension
+            changed = [c for c in changed if not c.startswith("rounds:")]
         raise CheckpointError(
             "the checkpoint belongs to another configuration"
             + (f" ({'; '.join(changed[:3])})" if changed else "")
@@ -225,6 +230,36 @@ def check_checkpoint(obj: Any, path: Path, cfg: Config, model: Mapping[str, torc
     wall = obj["wall_time_s"]
     if not (isinstance(wall, (int, float)) and not isinstance(wall, bool) and math.isfinite(wall) and wall >= 0):
         raise bad("wall_time_s", wall, "the seconds the run took, a number >= 0")
+    _check_extensions(obj.get("extensions", []), obj["config"].get("rounds"), bad)
+
+
+def extended_from(obj: dict[str, Any], cfg: Config) -> int | None:
+    """The rounds of the run whose checkpoint is ``obj`` when ``cfg`` is that run's
+    configuration with more rounds (the run extended: ``contrafl run --resume RUN
+    rounds=N``), else None. Every other change of a fingerprinted setting is another
+    configuration."""
+    before = obj["config"].get("rounds") if isinstance(obj.get("config"), dict) else None
+    if not (is_whole(before) and cfg.rounds is not None and before < cfg.rounds):
+        return None
+    return before if obj.get("fingerprint") == fingerprint({**cfg.to_dict(), "rounds": before}) else None
+
+
+def _check_extensions(extensions: Any, rounds: Any, bad: Callable[[str, Any, str], CheckpointError]) -> None:
+    """The optional ``extensions`` entry: the run's extensions to more rounds, each
+    ``{"from": M, "to": N, "after": k}`` (k rounds done when the M-round run was
+    extended to N, ``0 <= k <= M < N``), each starting where the one before ended and
+    the last ending at the checkpoint's ``config.rounds``."""
+    expected = "a list of {'from': M, 'to': N, 'after': rounds done} (0 <= after <= M < N), each from the last one's N to config.rounds"
+    if not isinstance(extensions, list):
+        raise bad("extensions", extensions, expected)
+    previous = None
+    for e in extensions:
+        ok = isinstance(e, dict) and set(e) == {"from", "to", "after"} and all(is_whole(e[k]) for k in e)
+        if not (ok and 0 <= e["after"] <= e["from"] < e["to"] and previous in (None, e["from"])):
+            raise bad("extensions", extensions, expected)
+        previous = e["to"]
+    if previous is not None and previous != rounds:
+        raise bad("extensions", extensions, expected)
 
 
 def _check_tensors(

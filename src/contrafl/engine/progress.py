@@ -106,6 +106,13 @@ class Progress:
             else:
                 who = f"client {cids[0]}" if len(cids) == 1 else f"clients {', '.join(map(str, cids))}"
             self.stream.write(f"{self.prefix}  {who} lost: {reason}\n")
+        partial = [item for item in row.get("stragglers", []) if item["done"]]
+        if partial:  # stragglers=partial: their replies count, with the steps they finished
+            if all("client" in item for item in partial):
+                who = ", ".join(f"client {item['client']} {item['done']}/{item['planned']}" for item in partial)
+            else:
+                who = f"{len(partial)} {'client' if len(partial) == 1 else 'clients'}"
+            self.stream.write(f"{self.prefix}  partial work (steps done/planned by the deadline): {who}\n")
         self.stream.flush()
 
     def suffix(self) -> str:

@@ -92,12 +92,19 @@ class RunDir:
         if resume:
             if not (self.path / "config.yaml").is_file():
                 raise ConfigError(f"{self.path} is not a run directory (no config.yaml); give the directory of a `contrafl run`")
+        elif self.path.exists() and not self.path.is_dir():
+            raise ConfigError(f"run directory {self.path} is a file, not a folder; choose another --out")
         elif self.path.exists() and any(self.path.iterdir()):
             raise ConfigError(
                 f"run directory {self.path} already exists and is not empty; "
                 f"continue it with `contrafl run --resume {self.path}`, or choose another --out"
             )
-        self.path.mkdir(parents=True, exist_ok=True)
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(
+                f"cannot make the run directory {self.path} ({exc.strerror or type(exc).__name__}); choose an --out you can write"
+            ) from None
         self._lock = _lock(self.path / LOCK)
 
     def close(self) -> None:

@@ -44,7 +44,7 @@ from ..eval.evaluate import evaluate
 from ..eval.metrics import mean_std, rounds_to_reach
 from ..eval.representation import bank_and_queries, extract_features, knn_accuracy
 from ..models.base import ModelOutput
-from .checkpoint import CHECKPOINT_FORMAT, check_checkpoint, check_client_state, client_files, load_safe, save_atomic
+from .checkpoint import CHECKPOINT_FORMAT, check_checkpoint, check_client_state, client_files, is_whole, load_safe, save_atomic
 from .client_store import ClientStore
 from .comm import add_bytes, payload_bytes
 from .executor import AutocastNet, FunctionalNet, Job, PhaseRun, SequentialExecutor, Workload
@@ -216,6 +216,9 @@ class Simulation:
         self.wall_time_before = 0.0  # seconds spent before a resume
         self.checkpoint_seconds = 0.0  # spent writing checkpoints (by this process)
         self.estimated_time_s: float | None = None  # before round 1 (contrafl.engine.estimate), for the summary
+        self.extensions: list[dict[str, int]] = []
+        """The run's extensions to more rounds (``--resume RUN rounds=N``), oldest first:
+        ``{"from": M, "to": N, "after": rounds done then}`` (:meth:`extension`)."""
 
     # -- services for the algorithm's client context ----------------------------------
     def initial_state(self, cid: int) -> StateDict:
@@ -312,6 +315,7 @@ class Simulation:
                 "comm_total": self.comm_total,
                 "privacy": self.privacy.state_dict() if self.privacy is not None else {},
                 "wall_time_s": self.wall_time_before + seconds,
+                **({"extensions": self.extensions} if self.extensions else {}),
             },
             self.run_dir.checkpoint_path,
         )
@@ -325,7 +329,8 @@ class Simulation:
         :func:`~contrafl.engine.checkpoint.check_checkpoint` has found it one of this
         configuration and initial server model: server, clients, metrics; the run
         directory's metrics and timing files are cut back to it. Tensors go to this
-        simulation's device (a run may resume on another one)."""
+        simulation's device (a run may resume on another one). A checkpoint of this
+        configuration with fewer rounds extends the run (:attr:`extensions`)."""
         check_checkpoint(checkpoint, path, self.cfg, self.server.model)
         on_device = pytree.tree_map_only(torch.Tensor, lambda t: t.to(self.device), checkpoint)
         self.server = ServerState(on_device["server"]["model"], on_device["server"]["extras"])
@@ -336,6 +341,10 @@ class Simulation:
         if self.privacy is not None:
             self.privacy.load_state_dict(checkpoint.get("privacy", {}), self.history, f"checkpoint {path}")
         self.rounds_done = self.checkpointed = int(checkpoint["round"])
+        self.extensions = [dict(e) for e in checkpoint.get("extensions", [])]
+        before = checkpoint["config"].get("rounds")
+        if is_whole(before) and before < self.cfg.rounds:  # check_checkpoint let only the rounds grow
+            self.extensions.append({"from": before, "to": self.cfg.rounds, "after": self.rounds_done})
         self.wall_time_before = float(checkpoint["wall_time_s"])
         if self.run_dir is not None:
             self.run_dir.truncate(self.rounds_done, self.history)
@@ -805,7 +814,42 @@ class Simulation:
         summary["seconds_per_round"] = round(seconds / self.rounds_done, 3) if self.rounds_done else None
         if self.estimated_time_s is not None:
             summary["estimated_time_s"] = self.estimated_time_s
+        if self.extensions:
+            summary["extended"] = self.extension()
         return summary
+
+    def extension(self) -> dict[str, Any] | None:
+        """How the run was extended to more rounds, None if it never was: ``{"from": the
+        rounds it started with, "to": its rounds now, "equal_to_fresh_run": whether its
+        metrics are those of a run started with that many, "why": what differs and why
+        (None when equal), "extensions": :attr:`extensions`}``. Client sampling, DP
+        accounting and every random stream do not depend on the total rounds; what
+        does: an algorithm's schedule over them
+        (:meth:`~contrafl.algorithms.base.Algorithm.depends_on_total_rounds`), for the
+        rounds computed before an extension, and the evaluation of a run's last round
+        when ``eval_every`` (``knn_every``) would not evaluate it."""
+        if not self.extensions:
+            return None
+        cfg, why = self.cfg, []
+        reason = type(self.algorithm).depends_on_total_rounds(self.algorithm.params)
+        spans, start = [], 1
+        for e in self.extensions:
+            if e["after"] >= start:
+                done = f"round {start}" if start == e["after"] else f"rounds {start}-{e['after']}"
+                spans.append(f"{done} ran with rounds={e['from']}")
+                start = e["after"] + 1
+        if reason and spans:
+            why.append(f"{reason}, and {', '.join(spans)}")
+        ends = [e["from"] for e in self.extensions if e["after"] == e["from"]]  # evaluated as the last round
+        extra = [m for m in ends if m % cfg.eval_every or (cfg.knn_every and m % cfg.knn_every)]
+        if extra:
+            every = f"eval_every={cfg.eval_every}" + (f", knn_every={cfg.knn_every}" if cfg.knn_every else "")
+            rows = f"round {extra[0]} of metrics.jsonl has" if len(extra) == 1 else f"rounds {', '.join(map(str, extra))} of metrics.jsonl have"
+            why.append(f"{rows} the evaluation of the run's last round, which a fresh run with {every} does not make (the training is the same)")
+        return {
+            "from": self.extensions[0]["from"], "to": cfg.rounds, "equal_to_fresh_run": not why,
+            "why": "; ".join(why) or None, "extensions": self.extensions,
+        }
 
 
 def without_clients(row: dict[str, Any]) -> dict[str, Any]:

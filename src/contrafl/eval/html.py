@@ -3,7 +3,10 @@
 Every number and figure comes from the run directories (``config.yaml``,
 ``metrics.jsonl``, ``summary.json``, ``representation/``, ``label_counts.json``) and the
 records of the suites and sweeps that made them; images are embedded as PNG data, so
-the file can be mailed or archived alone. The page has:
+the file can be mailed or archived alone. A configuration is labelled by its suite's
+method, its sweep's cell, or its algorithm and the options that differ from their
+defaults (``moon mu=5``, :func:`group_runs`), the same label in every table, legend and
+caption; legends and labels are wrapped to their figure's width. The page has:
 
 - the results, a table per metric family: global models (test accuracy, mean ± std over
   seeds), personalised models (PFLlib's metric: the sample-weighted client accuracy at
@@ -13,7 +16,7 @@ the file can be mailed or archived alone. The page has:
 - accuracy per round, the mean over seeds with a ± std band, a figure per family;
 - the accuracy of every client (box and points) and the fairness summary: std over
   clients, the mean of the worst 10 %, min and max;
-- the partition heatmaps and the t-SNE figures of ``contrafl plot-repr``;
+- the partition heatmaps, one per seed, and the t-SNE figures of ``contrafl plot-repr``;
 - the list of runs (failed and stopped runs with their errors) and the command that
   regenerates the page.
 """
@@ -35,10 +38,16 @@ from typing import Any
 import numpy as np
 
 from .. import __version__
-from ..config import fingerprint, flat_settings
+from ..config import fingerprint
 from ..errors import ContraflError
 from .metrics import mean_std
-from .report import METRICS, Metric, count_states, find_runs, read_run, run_metric, worst_fraction
+from .report import (
+    METRICS, Metric, algorithm_label, configuration_labels, count_states, find_runs, mean_pm, partition_label, read_run,
+    run_metric, worst_fraction,
+)
+
+PARTITION_LIMIT = 8
+"""Partition heatmaps drawn on a page (the others are named under them)."""
 
 PROBE_FILES = ("knn", "linear", "finetune-1%", "finetune-10%", "finetune")
 """Files of ``representation/`` whose accuracy the SSL table shows (those present)."""
@@ -83,13 +92,13 @@ class Group:
         return count_states(r.status for r in self.runs)
 
 
-def _records(paths: Sequence[Path]) -> dict[Path, tuple[str, Any]]:
-    """Run directory -> (group label, paper number) from the suites and sweeps among
-    ``paths`` (their ``suite.json`` or ``sweep.json``)."""
+def _records(paths: Sequence[Path]) -> dict[Path, tuple[tuple[str, str], str, Any]]:
+    """Run directory -> ((suite directory, method), group label, paper number) from the
+    suites and sweeps among ``paths`` (their ``suite.json`` or ``sweep.json``)."""
     from .suite import SUITE_RECORD, Suite, run_path, split_method
     from .sweep import SWEEP_RECORD, Sweep
 
-    found: dict[Path, tuple[str, Any]] = {}
+    found: dict[Path, tuple[tuple[str, str], str, Any]] = {}
     for path in map(Path, paths):
         if (path / SWEEP_RECORD).is_file():
             sweep = Sweep(**json.loads((path / SWEEP_RECORD).read_text())["sweep"])
@@ -102,35 +111,30 @@ def _records(paths: Sequence[Path]) -> dict[Path, tuple[str, Any]]:
         for method in suite.methods:
             number = paper.get(method, paper.get(split_method(suite, method)[1]))
             for seed in suite.seeds:
-                found[run_path(path, method, seed).absolute()] = (method, number)
+                found[run_path(path, method, seed).absolute()] = ((str(path.absolute()), method), method, number)
     return found
 
 
 def group_runs(paths: Sequence[Path]) -> list[Group]:
     """The runs below ``paths`` grouped by configuration except the seed: by method or
-    cell for suites and sweeps, else by what differs between the runs' settings."""
+    cell for suites and sweeps, else by their settings. A group is labelled by its
+    suite's method or sweep's cell, else by :func:`~contrafl.eval.report.algorithm_label`
+    (``moon mu=5``; also a suite method named as its bare algorithm, as ``contrafl
+    compare`` named its methods before it named them so), with the settings that tell
+    apart groups of one label (:func:`~contrafl.eval.report.configuration_labels`)."""
     records = _records(paths)
-    groups: dict[str, Group] = {}
-    loose: dict[str, list[Run]] = {}
+    units: dict[Any, tuple[str | None, Any, list[Run]]] = {}
     for path, name in find_runs(paths):
         config, rows, summary = read_run(path)
         run = Run(path, name, config, rows, summary)
         if path.absolute() in records:
-            label, paper = records[path.absolute()]
-            groups.setdefault(label, Group(label, paper=paper)).runs.append(run)
+            key, method, paper = records[path.absolute()]
+            base = algorithm_label(config.get("algorithm", "?")) if method == _algorithm(config) else method
+            units.setdefault(key, (base, paper, []))[2].append(run)
         else:
-            loose.setdefault(fingerprint({**config, "seed": 0}), []).append(run)
-    if loose:  # named by their algorithm, or by the settings that tell them apart
-        flats = {key: {k: v for k, v in flat_settings(runs[0].config).items() if k != "seed"} for key, runs in loose.items()}
-        keys = sorted({k for f in flats.values() for k in f})
-        varying = [k for k in keys if len({json.dumps(f.get(k), default=str) for f in flats.values()}) > 1]
-        unique = len({f["algorithm"] for f in flats.values()}) == len(flats)
-        for key, runs in loose.items():
-            label = _algorithm(runs[0].config) if unique or not varying else " ".join(f"{k}={flats[key].get(k)}" for k in varying)
-            while label in groups:
-                label += "'"
-            groups[label] = Group(label, runs)
-    return list(groups.values())
+            units.setdefault(fingerprint({**config, "seed": 0}), (None, None, []))[2].append(run)
+    labels = configuration_labels([runs[0].config for _, _, runs in units.values()], [base for base, _, _ in units.values()])
+    return [Group(label, runs, paper=paper) for label, (_, paper, runs) in zip(labels, units.values())]
 
 
 def _algorithm(config: Mapping[str, Any]) -> str:
@@ -142,8 +146,7 @@ def _algorithm(config: Mapping[str, Any]) -> str:
 
 
 def _pct(values: Sequence[float]) -> str:
-    mean, std = mean_std(list(values))
-    return f"{100 * mean:.2f} ± {100 * std:.2f}" if len(values) > 1 else f"{100 * mean:.2f}"
+    return mean_pm(values)
 
 
 def _paper_value(paper: Any) -> float | None:
@@ -253,31 +256,31 @@ def fairness_rows(groups: Sequence[Group]) -> list[list[str]]:
 
 # -- figures ---------------------------------------------------------------------------
 
-
 def _figure(width: float, height: float):
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+    """A figure of ``width`` x ``height`` inches (:func:`~contrafl.eval.plots.figure`:
+    at most :data:`~contrafl.eval.plots.PAGE_WIDTH` wide, shown at its own size in the
+    page, laid out by constrained layout, which makes room for every label and legend
+    where tight_layout gives up on long ones)."""
+    from .plots import figure
 
-    fig = Figure(figsize=(width, height), dpi=110)
-    FigureCanvasAgg(fig)
-    return fig
+    return figure(width, height)
 
 
 def _png(fig) -> bytes:
     buffer = io.BytesIO()
-    fig.tight_layout()
     fig.savefig(buffer, format="png")
     return buffer.getvalue()
 
 
-def curves_figure(groups: Sequence[Group], metric: Metric) -> bytes | None:
-    """``metric`` per round of each configuration: the mean over its completed seeds
-    (the rounds all of them evaluated) and a ± std band."""
+def curves_plot(groups: Sequence[Group], metric: Metric):
+    """The figure of :func:`curves_figure` (None: nothing to draw)."""
     from matplotlib.ticker import MaxNLocator
+
+    from .plots import legend_below
 
     fig = _figure(7, 4.2)
     ax = fig.add_subplot(1, 1, 1)
-    drawn = 0
+    handles, labels = [], []
     for g in groups:
         if g.metric != metric:
             continue
@@ -287,23 +290,38 @@ def curves_figure(groups: Sequence[Group], metric: Metric) -> bytes | None:
             continue
         values = np.array([[100 * c[t] for t in rounds] for c in curves])
         mean, std = values.mean(axis=0), values.std(axis=0)
-        (line,) = ax.plot(rounds, mean, marker="o" if len(rounds) < 15 else None, ms=3, label=f"{g.label} ({len(curves)} seeds)")
+        (line,) = ax.plot(rounds, mean, marker="o" if len(rounds) < 15 else None, ms=3)
         if len(curves) > 1:
             ax.fill_between(rounds, mean - std, mean + std, color=line.get_color(), alpha=0.2, lw=0)
-        drawn += 1
-    if not drawn:
+        handles.append(line)
+        labels.append(f"{g.label} ({len(curves)} seed{'s' if len(curves) > 1 else ''})")
+    if not handles:
         return None
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    drawn = sorted({x for line in handles for x in line.get_xdata()})
+    if len(drawn) <= 12:  # a tick at every round (a single round's axis is no range of fractions)
+        ax.set_xticks(drawn)
+        if len(drawn) == 1:
+            ax.set_xlim(drawn[0] - 1, drawn[0] + 1)
+    else:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("round")
     ax.set_ylabel(f"{metric.label} (%)")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    return _png(fig)
+    legend_below(fig, ax, handles, labels)
+    return fig
 
 
-def clients_figure(groups: Sequence[Group]) -> bytes | None:
-    """Every client's accuracy at the final round (all completed seeds), a box and the
-    points of each configuration with per-client evaluation."""
+def curves_figure(groups: Sequence[Group], metric: Metric) -> bytes | None:
+    """``metric`` per round of each configuration: the mean over its completed seeds
+    (the rounds all of them evaluated) and a ± std band; the legend under the axes."""
+    fig = curves_plot(groups, metric)
+    return None if fig is None else _png(fig)
+
+
+def clients_plot(groups: Sequence[Group]):
+    """The figure of :func:`clients_figure` (None: nothing to draw)."""
+    from .plots import CHAR_WIDTH, FONT, PAGE_WIDTH, chars as _chars, wrap as _wrap
+
     data = []
     for g in groups:
         accs = [100 * a for r in g.completed if _evaluated(r, "client_acc") for a in _evaluated(r, "client_acc")[-1]["client_acc"] if a is not None]
@@ -311,16 +329,36 @@ def clients_figure(groups: Sequence[Group]) -> bytes | None:
             data.append((g.label, accs))
     if not data:
         return None
-    fig = _figure(max(5.0, 1.2 * len(data) + 2), 4.2)
+    width = min(PAGE_WIDTH, max(5.0, 1.3 * len(data) + 2))
+    share = (width - 1.2) / len(data)  # inches of a box's share of the width
+    line = 1.3 * FONT / 72  # inches of a line of tick label
+    chars = _chars(share) - 1
+    upright = chars < 8  # too many boxes for labels under them: the labels upright, in as many lines as fit a share
+    labels = [_wrap(label, chars) for label, _ in data]
+    while upright and max(label.count("\n") + 1 for label in labels) > max(1, int(share / line)):
+        chars += 4
+        labels = [_wrap(label, chars) for label, _ in data]
+    if upright:
+        below = max(len(row) for label in labels for row in label.splitlines()) * CHAR_WIDTH * FONT / 72
+    else:
+        below = max(label.count("\n") + 1 for label in labels) * line
+    fig = _figure(width, 3.8 + below)
     ax = fig.add_subplot(1, 1, 1)
     ax.boxplot([a for _, a in data], showfliers=False, widths=0.5)
     rng = np.random.default_rng(0)  # the points' horizontal jitter only
     for i, (_, accs) in enumerate(data, start=1):
         ax.scatter(i + rng.uniform(-0.15, 0.15, len(accs)), accs, s=9, alpha=0.6, color="tab:blue", zorder=3)
-    ax.set_xticks(range(1, len(data) + 1), labels=[label for label, _ in data], rotation=20, ha="right", fontsize=7)
+    ax.set_xticks(range(1, len(data) + 1), labels=labels, fontsize=FONT, rotation=90 if upright else 0)
     ax.set_ylabel("client accuracy at the final round (%)")
     ax.grid(alpha=0.3, axis="y")
-    return _png(fig)
+    return fig
+
+
+def clients_figure(groups: Sequence[Group]) -> bytes | None:
+    """Every client's accuracy at the final round (all completed seeds), a box and the
+    points of each configuration with per-client evaluation."""
+    fig = clients_plot(groups)
+    return None if fig is None else _png(fig)
 
 
 def label_counts(run: Run) -> tuple[np.ndarray, list[str]] | None:
@@ -344,27 +382,46 @@ def label_counts(run: Run) -> tuple[np.ndarray, list[str]] | None:
         return None
 
 
-def partition_figures(groups: Sequence[Group], limit: int = 6) -> list[tuple[str, bytes]]:
-    """The heatmap of each distinct partition of the runs' first seeds (at most
-    ``limit``), titled with the configurations that share it."""
-    from .plots import plot_partition_heatmap
-
+def partitions(groups: Sequence[Group]) -> list[tuple[Run, list[str]]]:
+    """Each distinct partition of the runs (a partition depends on the dataset, the
+    partition's settings, the number of clients and the seed): a run that made it and
+    the labels of the configurations that share it."""
     seen: dict[str, tuple[Run, list[str]]] = {}
     for g in groups:
-        for run in g.runs[:1]:
+        for run in g.runs:
             key = json.dumps([run.config.get(k) for k in ("dataset", "partition", "num_clients", "seed", "test_fraction", "pool")], default=str)
-            seen.setdefault(key, (run, []))[1].append(g.label)
+            labels = seen.setdefault(key, (run, []))[1]
+            if g.label not in labels:
+                labels.append(g.label)
+    return list(seen.values())
+
+
+def partition_title(run: Run) -> str:
+    """``dirichlet beta=0.1, seed 0``: a run's partition and its seed."""
+    return f"{partition_label(run.config.get('partition', '?'))}, seed {run.config.get('seed')}"
+
+
+def partition_plots(groups: Sequence[Group], limit: int = PARTITION_LIMIT) -> list[tuple[str, Any]]:
+    """The heatmap of each distinct partition of the runs (:func:`partitions`: one per
+    seed), at most ``limit``, titled with the partition and seed, and its caption: the
+    dataset, the number of clients and the configurations that share it."""
+    from .plots import partition_heatmap
+
     figures = []
-    for run, labels in list(seen.values())[:limit]:
+    for run, labels in partitions(groups)[:limit]:
         counts = label_counts(run)
         if counts is None:
             continue
-        buffer = io.BytesIO()
-        partition = run.config.get("partition")
-        title = f"{json.dumps(partition, default=str)}, seed {run.config.get('seed')}"
-        plot_partition_heatmap(counts[0], buffer, classes=counts[1], title=title)
-        figures.append((", ".join(labels), buffer.getvalue()))
+        dataset = run.config.get("dataset", "?")
+        dataset = dataset.get("name") if isinstance(dataset, Mapping) else dataset
+        caption = f"{dataset}, {len(counts[0])} clients, {partition_title(run)}: {', '.join(labels)}"
+        figures.append((caption, partition_heatmap(counts[0], classes=counts[1], title=partition_title(run))))
     return figures
+
+
+def partition_figures(groups: Sequence[Group], limit: int = PARTITION_LIMIT) -> list[tuple[str, bytes]]:
+    """The PNGs of :func:`partition_plots`, with their captions."""
+    return [(caption, _png(fig)) for caption, fig in partition_plots(groups, limit)]
 
 
 def tsne_figures(groups: Sequence[Group]) -> list[tuple[str, bytes]]:
@@ -385,7 +442,7 @@ h1 { font-size: 1.5em; } h2 { font-size: 1.2em; margin-top: 2em; border-bottom: 
 table { border-collapse: collapse; margin: 0.6em 0 1.2em; font-size: 0.85em; }
 th, td { border: 1px solid #bbb; padding: 0.25em 0.6em; text-align: left; }
 th { background: #eee; } td.num { text-align: right; font-variant-numeric: tabular-nums; }
-img { max-width: 100%; border: 1px solid #ddd; margin: 0.4em 0; } img.small { max-width: 640px; }
+img { max-width: 100%; border: 1px solid #ddd; margin: 0.4em 0; }
 code, pre { background: #f4f4f4; padding: 0.1em 0.3em; }
 .failed { color: #111; font-weight: bold; } .caption { font-size: 0.85em; color: #333; }
 """
@@ -405,9 +462,8 @@ def _table(rows: list[list[str]], escape: bool = True) -> str:
     return "\n".join(lines + ["</table>"])
 
 
-def _image(png: bytes, alt: str, small: bool = False) -> str:
-    cls = ' class="small"' if small else ""
-    return f'<img{cls} alt="{html.escape(alt)}" src="data:image/png;base64,{base64.b64encode(png).decode()}">'
+def _image(png: bytes, alt: str) -> str:
+    return f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{base64.b64encode(png).decode()}">'
 
 
 def render(paths: Sequence[Path], command: str, title: str | None = None) -> str:
@@ -446,11 +502,15 @@ def render(paths: Sequence[Path], command: str, title: str | None = None) -> str
         if png:
             parts.append(_image(png, "client accuracies"))
         parts.append(_table(fairness))
-    heatmaps = partition_figures(groups)
+    heatmaps = partition_figures(groups, limit=PARTITION_LIMIT)
     if heatmaps:
         parts.append("<h2>Partitions</h2>")
         for caption, png in heatmaps:
-            parts += [f'<p class="caption">samples per client and class: {html.escape(caption)}</p>', _image(png, "partition heatmap", small=True)]
+            parts += [f'<p class="caption">samples per client and class: {html.escape(caption)}</p>', _image(png, "partition heatmap")]
+        left = partitions(groups)[PARTITION_LIMIT:]
+        if left:
+            more = ", ".join(f"{partition_title(run)} ({', '.join(labels)})" for run, labels in left)
+            parts.append(f'<p class="caption">{len(left)} more partitions not drawn: {html.escape(more)}</p>')
     tsne = tsne_figures(groups)
     if tsne:
         parts.append("<h2>Representations (t-SNE)</h2>")

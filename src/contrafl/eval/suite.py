@@ -56,8 +56,9 @@ from ..engine.progress import Progress, clock_text
 from ..engine.run_dir import read_summary, to_json
 from ..engine.signals import interrupts, stop_point
 from ..errors import ConfigError, one_line
+from ..words import count
 from .metrics import last_row, last_value, mean_std, rounds_to_reach
-from .report import read_run
+from .report import pm, read_run
 
 
 @dataclass
@@ -215,7 +216,7 @@ def run_suite(
     cells = [Cell(m, s, configs[m, s], run_path(out, m, s)) for m in chosen for s in suite.seeds]
     for cell in cells:
         check_data_dir(cell.config)
-    log(f"{suite.name}: {len(chosen)} methods x {len(suite.seeds)} seeds -> {out}")
+    log(f"{suite.name}: {count(len(chosen), 'method')} x {count(len(suite.seeds), 'seed')} -> {out}")
     for cell in cells:
         _inspect(cell, log)
     clock = SuiteClock(sum(c.config.rounds - c.rounds_done for c in cells if c.state != "done"))
@@ -423,8 +424,10 @@ def collect(
 ) -> dict[str, Any]:
     """Per method, over its completed runs (those with the fingerprint in
     ``fingerprints``, when given): the seeds, final accuracy per seed with mean and std,
-    the mean over seeds of the last ``LAST`` evaluated rounds, the mean curve, client
-    accuracies and the rounds each seed needs to reach the suite's target."""
+    the mean over seeds of the last ``LAST`` evaluated rounds (and how many rounds that
+    is: fewer in shorter runs), the mean curve, client accuracies and the rounds each
+    seed needs to reach the suite's target. docs/sweeps.md describes every key of the
+    ``results.json`` this makes."""
 
     def usable(method: str, seed: int) -> bool:
         path = run_path(out, method, seed)
@@ -444,6 +447,7 @@ def collect(
             entry["test_acc"] = finals[method]
             entry["test_acc_mean"], entry["test_acc_std"] = mean_std(finals[method])
             entry["test_acc_last_mean"] = mean_std([_last_mean(rows, "test_acc") for rows in runs])[0]
+            entry["test_acc_last_rounds"] = min(len(_last(rows, "test_acc")) for rows in runs)
             entry["curve"] = _mean_curve(runs, "test_acc")
         best = [max((r for r in rows if "personal_acc" in r), key=lambda r: r["personal_acc"]) for rows in runs if any("personal_acc" in r for r in rows)]
         if best:  # PFLlib: the best round's client accuracy, and the std over clients then
@@ -477,9 +481,22 @@ def collect(
 LAST = 5  # rounds averaged in the "mean of the last rounds" column
 
 
+def _last(rows: Sequence[Mapping], key: str) -> list[float]:
+    """The values of ``key`` in the last :data:`LAST` rounds that evaluated it (fewer
+    in a run with fewer)."""
+    return [r[key] for r in rows if r.get(key) is not None][-LAST:]
+
+
 def _last_mean(rows: Sequence[Mapping], key: str) -> float:
-    values = [r[key] for r in rows if r.get(key) is not None][-LAST:]
+    values = _last(rows, key)
     return sum(values) / len(values)
+
+
+def _last_rounds(methods: Mapping[str, Any]) -> int:
+    """The rounds the column of :func:`_last_mean` averages: as many as every method's
+    runs have (3 for 3-round runs), else ``LAST`` (a cell of fewer says how many)."""
+    counts = {e["test_acc_last_rounds"] for e in methods.values() if "test_acc_last_rounds" in e}
+    return counts.pop() if len(counts) == 1 else LAST
 
 
 def _target(suite: Suite, finals: Mapping[str, list[float]]) -> float | None:
@@ -503,7 +520,8 @@ def format_table(suite: Suite, results: Mapping[str, Any], detailed: bool = Fals
     """A markdown table: ours (mean ± std over seeds) next to the paper's numbers.
 
     ``detailed`` adds the final accuracy of every seed and the mean of the last
-    :data:`LAST` evaluated rounds (the tables of docs/results.md)."""
+    :data:`LAST` evaluated rounds, or of as many as the runs have (the tables of
+    docs/results.md). A single seed's accuracy has no ``± std``."""
     if suite.metric == "best":
         return _best_table(suite, results, detailed)
     if suite.metric == "representation":
@@ -512,7 +530,8 @@ def format_table(suite: Suite, results: Mapping[str, Any], detailed: bool = Fals
     methods = results["methods"]
     header = ["method", "accuracy (ours)", "seeds"]
     if detailed:
-        header += ["per seed", f"mean of last {LAST} rounds"]
+        last_rounds = _last_rounds(methods)
+        header += ["per seed", "last round" if last_rounds == 1 else f"mean of last {last_rounds} rounds"]
     if any("personal_acc_mean" in e and "test_acc_mean" in e for e in methods.values()):
         header.append("client accuracy (ours)")
     if suite.paper:
@@ -525,7 +544,7 @@ def format_table(suite: Suite, results: Mapping[str, Any], detailed: bool = Fals
     for method, e in methods.items():
         seeds = ", ".join(map(str, e.get("seed_list", []))) if detailed else str(e["seeds"])
         if "test_acc_mean" in e:
-            acc = f"{100 * e['test_acc_mean']:.2f} ± {100 * e['test_acc_std']:.2f}"
+            acc = pm(e["test_acc_mean"], e["test_acc_std"], len(e.get("test_acc", ())) or e["seeds"])
             per_seed = ", ".join(f"{100 * a:.2f}" for a in e["test_acc"])
         elif "personal_acc_mean" in e:
             acc = f"{100 * e['personal_acc_mean']:.2f} ± {100 * e['personal_acc_client_std']:.2f} (clients)"
@@ -534,7 +553,11 @@ def format_table(suite: Suite, results: Mapping[str, Any], detailed: bool = Fals
             acc, per_seed = "-", ""
         cells = [method, acc, seeds or "-"]
         if detailed:
-            cells += [per_seed, f"{100 * e['test_acc_last_mean']:.2f}" if "test_acc_last_mean" in e else ""]
+            last = ""
+            if "test_acc_last_mean" in e:
+                fewer = e.get("test_acc_last_rounds", LAST)
+                last = f"{100 * e['test_acc_last_mean']:.2f}" + (f" (last {fewer})" if fewer != last_rounds else "")
+            cells += [per_seed, last]
         if "client accuracy (ours)" in header:
             cells.append(f"{100 * e['personal_acc_mean']:.2f}" if "personal_acc_mean" in e and "test_acc_mean" in e else "")
         if suite.paper:
@@ -580,7 +603,7 @@ def _best_table(suite: Suite, results: Mapping[str, Any], detailed: bool) -> str
         for setting in settings:
             e = methods.get(f"{setting} / {base}" if setting else base, {})
             if "best_acc_mean" in e:
-                cells += [f"{100 * e['best_acc_mean']:.2f} ± {100 * e['best_acc_seed_std']:.2f}", f"{100 * e['best_client_std']:.2f}"]
+                cells += [pm(e["best_acc_mean"], e["best_acc_seed_std"], len(e["best_acc"])), f"{100 * e['best_client_std']:.2f}"]
                 seeds.append(", ".join(map(str, e["seed_list"])))
                 rounds.append(", ".join(map(str, e["best_round"])))
             else:
@@ -615,7 +638,7 @@ def _representation_table(suite: Suite, results: Mapping[str, Any], detailed: bo
         for setting in settings:
             e = methods.get(f"{setting} / {base}" if setting else base, {})
             for key, _ in columns:
-                cells.append(f"{100 * e[key + '_mean']:.2f} ± {100 * e[key + '_std']:.2f}" if f"{key}_mean" in e else "-")
+                cells.append(pm(e[key + "_mean"], e[key + "_std"], len(e[key])) if f"{key}_mean" in e else "-")
             if detailed:
                 cells.append(f"{100 * mean_std(e['best_knn'])[0]:.2f}" if e.get("best_knn") else "-")
             if e.get("seed_list"):
@@ -633,22 +656,19 @@ def plot_curves(results: Mapping[str, Any], path: Path, title: str = "") -> Path
     curves = {m: e["curve"] for m, e in results["methods"].items() if e.get("curve")}
     if not curves:
         return None
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
-    fig = Figure(figsize=(6, 4), dpi=120)
-    FigureCanvasAgg(fig)
+    from .plots import chars, figure, legend_below, wrap
+
+    fig = figure(6, 4)
     ax = fig.add_subplot(1, 1, 1)
-    for method, curve in curves.items():
-        ax.plot([r for r, _ in curve], [100 * a for _, a in curve], label=method)
+    lines = [ax.plot([r for r, _ in curve], [100 * a for _, a in curve])[0] for curve in curves.values()]
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("round")
     ax.set_ylabel("test accuracy (%)")
-    ax.set_title(title, fontsize=9)
+    ax.set_title(wrap(title, chars(5.5, 9)), fontsize=9)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
+    legend_below(fig, ax, lines, list(curves))  # under the axes, wrapped to their width (long method names)
     fig.savefig(path)
     return Path(path)
 

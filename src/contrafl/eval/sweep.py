@@ -47,8 +47,9 @@ from ..engine.progress import clock_text
 from ..engine.run_dir import read_summary, to_json
 from ..engine.signals import exit_code, interrupts, signal_name, stop_point
 from ..errors import ConfigError
+from ..words import count
 from .metrics import mean_std
-from .report import METRICS, Metric, _format, count_states, read_run, run_metric
+from .report import METRICS, Metric, _format, count_states, pm, read_run, run_metric
 from .suite import Cell, Suite, _inspect, _paths_from, _slug, resolved_configs, run_path
 
 SWEEP_RECORD = "sweep.json"  # the sweep, its overrides and cells, in its output directory
@@ -218,7 +219,7 @@ def run_sweep(
     where = {(c.method, c.seed): _execution(suite.config(c.method, c.seed, overrides)) for c in cells}
     for cell in cells:
         check_data_dir(cell.config)
-    stream.write(f"{sweep.name}: {len(suite.methods)} cells x {len(suite.seeds)} seeds = {len(cells)} runs -> {out}\n")
+    stream.write(f"{sweep.name}: {count(len(suite.methods), 'cell')} x {count(len(suite.seeds), 'seed')} = {count(len(cells), 'run')} -> {out}\n")
     if dry_run:
         for cell in cells:
             stream.write(f"  {cell.method} seed {cell.seed}: {_planned(cell)} -> {cell.path}\n")
@@ -392,7 +393,8 @@ class _Board:
         self.rounds_finished += max(0, _rounds_in(cell.path) - cell.rounds_done)
         seconds = time.perf_counter() - job.start
         head = f"{cell.method} seed {cell.seed}"
-        if code == 0:
+        # a run stopped after its last round finished it: its summary says completed
+        if code == 0 or (stopping and read_summary(cell.path).get("status") == "completed"):
             self.done += 1
             cell.state = "done"
             _, rows, _ = read_run(cell.path)
@@ -498,8 +500,8 @@ def format_table(sweep: Sweep, results: Mapping[str, Any], markdown: bool = True
         if "final_mean" in e:
             cells = [
                 labels.get(e["metric"], e["metric"]),
-                f"{100 * e['final_mean']:.2f} ± {100 * e['final_std']:.2f}",
-                f"{100 * e['best_mean']:.2f} ± {100 * e['best_std']:.2f}",
+                pm(e["final_mean"], e["final_std"], len(e["final"])),
+                pm(e["best_mean"], e["best_std"], len(e["best"])),
                 ", ".join(map(str, e["best_round"])),
                 f"{100 * e['client_std_mean']:.2f}" if "client_std_mean" in e else "",
                 ", ".join(map(str, e["seeds"])),

@@ -341,19 +341,42 @@ def oversubscribed(node_configs: list[dict[str, ConfigValue]]) -> bool:
 # --------------------------------------------------------------------------- deployment
 
 
+_COLOUR = re.compile(r"\x1b\[[0-9;]*m")
+_BARE_LEVEL = re.compile(r"(DEBUG|INFO|WARNING|ERROR|CRITICAL)\s*:\s*")
+
+
+def echoed(line: str, terminal: bool) -> str | None:
+    """A line of ``flwr run``'s output as :func:`_wait` echoes it: without flwr's colour
+    codes unless it goes to a ``terminal``, and None for a log line without a message
+    (flwr logs an empty one after the ServerApp's output)."""
+    plain = _COLOUR.sub("", line)
+    if _BARE_LEVEL.fullmatch(plain.rstrip("\n")):
+        return None
+    return line if terminal else plain
+
+
 def _wait(proc: subprocess.Popen, timeout: float | None, log_path: Path, echo: TextIO | None) -> int:
     """``proc.wait(timeout)``, copying what ``proc`` writes to ``log_path`` to ``echo`` as
-    it comes."""
+    it comes, line by line (:func:`echoed`)."""
     if echo is None:
         return proc.wait(timeout)
+    terminal = hasattr(echo, "isatty") and echo.isatty()
     deadline = None if timeout is None else time.monotonic() + timeout
+    pending = ""
     with log_path.open(errors="replace") as follow:
         while True:
             try:
                 returncode: int | None = proc.wait(0.2)
             except subprocess.TimeoutExpired:
                 returncode = None
-            echo.write(follow.read())
+            pending += follow.read()
+            *lines, pending = pending.split("\n")
+            if returncode is not None and pending:
+                lines, pending = [*lines, pending], ""
+            for line in lines:
+                shown = echoed(line + "\n", terminal)
+                if shown is not None:
+                    echo.write(shown)
             echo.flush()
             if returncode is not None:
                 return returncode

@@ -21,6 +21,7 @@ from ..engine.run_dir import RunDir
 from ..engine.setup import prepare
 from ..engine.simulation import resume
 from ..errors import ContraflError
+from ..words import count
 from .node import REPRODUCIBLE_WARNING, reproducible_noise
 from .secagg import refusal
 from .server import GridTransport, SecureTransport
@@ -50,4 +51,4 @@ def main(grid: Grid, context: Context) -> None:
     else:
         sim.transport = GridTransport(grid, *settings, checkpointed=lambda: sim.checkpointed)
     summary = sim.run()
-    print(f"contrafl: {summary['status']} after {summary['rounds_completed']} rounds; results in {run_dir.path}")
+    print(f"contrafl: {summary['status']} after {count(summary['rounds_completed'], 'round')}; results in {run_dir.path}")
