@@ -34,7 +34,7 @@ from throughput import in_processes  # noqa: E402
 
 
 def _config(p: dict):
-    from contrafl.eval.suite import load_suite, resolved_configs
+    from contrafl.experiments.suite import load_suite, resolved_configs
 
     suite = load_suite(p["suite"])
     configs = resolved_configs(suite, [f"executor={p['executor']}", f"device={p['device']}"])

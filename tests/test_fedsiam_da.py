@@ -16,7 +16,7 @@ from contrafl.engine.executor import FunctionalNet
 from contrafl.engine.setup import prepare
 from contrafl.engine.simulation import Simulation
 from contrafl.errors import ConfigError
-from contrafl.eval.evaluate import evaluate
+from contrafl.metrics.evaluate import evaluate
 from contrafl.models import Heads, build_model
 from contrafl.models.base import ModelOutput
 

@@ -13,8 +13,8 @@ import pytest
 
 from conftest import check_screenshot, chromium_screenshot
 from contrafl.cli import main
-from contrafl.eval.report import read_run, worst_fraction
-from contrafl.eval.metrics import mean_std
+from contrafl.experiments.report import read_run, worst_fraction
+from contrafl.metrics.history import mean_std
 
 SMALL = ["num_clients=3", "local_epochs=1", "--quiet"]
 
@@ -128,7 +128,7 @@ def mixed(tmp_path_factory):
     MLflow artifact copy a tracked run holds), two FedU2 runs that differ in lam_u, and
     a compare directory as `contrafl compare fedavg moon moon.mu=5` wrote it before
     (its MOON method named `moon`)."""
-    from contrafl.eval.suite import Suite, run_suite
+    from contrafl.experiments.suite import Suite, run_suite
 
     root = tmp_path_factory.mktemp("mixed")
     crl = ["algorithm=fedcrl", "rounds=2", "num_clients=20", "partition.beta=0.1"]
@@ -155,7 +155,7 @@ LABELS = {"fedcrl", "fedu2 predictor_hidden=32", "fedu2 predictor_hidden=32 lam_
 
 
 def test_labels_are_the_algorithm_and_the_options_that_differ_from_its_defaults(mixed, capsys):
-    from contrafl.eval.html import group_runs
+    from contrafl.experiments.html import group_runs
 
     groups = group_runs([mixed])
     assert {g.label for g in groups} == LABELS
@@ -172,7 +172,7 @@ def test_labels_tell_apart_configurations_of_one_algorithm(tmp_path):
     options at their defaults, or that do not apply, are not."""
     from contrafl.config import load_config
     from contrafl.engine.setup import resolve
-    from contrafl.eval.report import algorithm_label, configuration_labels
+    from contrafl.experiments.report import algorithm_label, configuration_labels
 
     def config(*overrides):
         return resolve(load_config(None, list(overrides))).to_dict()
@@ -215,8 +215,8 @@ def test_figures_keep_their_labels_inside(mixed):
     it, one per seed, "client" on its axis, every count readable."""
     import warnings
 
-    from contrafl.eval.html import METRICS, clients_plot, curves_plot, group_runs, partition_plots
-    from contrafl.eval.plots import DPI, PAGE_WIDTH
+    from contrafl.experiments.html import METRICS, clients_plot, curves_plot, group_runs, partition_plots
+    from contrafl.experiments.plots import DPI, PAGE_WIDTH
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -254,7 +254,7 @@ def test_figures_keep_their_labels_inside(mixed):
 
 
 def _fake_group(label: str, rows: list[dict], tmp_path):
-    from contrafl.eval.html import Group, Run
+    from contrafl.experiments.html import Group, Run
 
     return Group(label, [Run(tmp_path, label, {"seed": 0}, rows, {"status": "completed"})])
 
@@ -265,7 +265,7 @@ def test_long_labels_and_many_configurations_fit(tmp_path, count):
     plot's tick labels do not overlap or leave the figure."""
     import warnings
 
-    from contrafl.eval.html import METRICS, clients_plot, curves_plot
+    from contrafl.experiments.html import METRICS, clients_plot, curves_plot
 
     groups = []
     for i in range(count):
@@ -290,7 +290,7 @@ def test_heatmaps_of_any_size_are_readable(clients, classes, named):
     beyond 30 clients, rows tall enough to read, counts only where they fit."""
     import warnings
 
-    from contrafl.eval.plots import DPI, PAGE_WIDTH, partition_heatmap
+    from contrafl.experiments.plots import DPI, PAGE_WIDTH, partition_heatmap
 
     counts = np.random.default_rng(0).integers(0, 3000, size=(clients, classes))
     names = [f"class name {c}" for c in range(classes)] if named else None

@@ -18,7 +18,7 @@ from sklearn.datasets import load_digits
 import contrafl.data.partition as partition_module
 from contrafl.data.partition import PARTITIONS, Partition, format_partition, make_partition
 from contrafl.errors import ConfigError, DataError
-from contrafl.eval.plots import plot_partition_heatmap
+from contrafl.experiments.plots import plot_partition_heatmap
 
 DIGITS = load_digits().target
 CIFAR_LIKE = np.random.RandomState(123).permutation(np.repeat(np.arange(10), 5000))
@@ -393,7 +393,7 @@ def test_heatmap_writes_png_without_display(tmp_path):
     target = tmp_path / "heatmap.png"
     script = (
         "import sys, numpy as np\n"
-        "from contrafl.eval.plots import plot_partition_heatmap\n"
+        "from contrafl.experiments.plots import plot_partition_heatmap\n"
         f"plot_partition_heatmap(np.arange(30).reshape(10, 3), {str(target)!r}, ['a', 'b', 'c'], 'title')\n"
         "assert 'matplotlib.pyplot' not in sys.modules\n"
     )

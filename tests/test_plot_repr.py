@@ -11,7 +11,7 @@ from matplotlib.image import imread
 from sklearn.metrics import silhouette_score
 
 from contrafl.cli import main
-from contrafl.eval.tsne import loo_knn_accuracy
+from contrafl.experiments.tsne import loo_knn_accuracy
 from conftest import strict_json
 
 pytestmark = pytest.mark.usefixtures("one_thread")

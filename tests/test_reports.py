@@ -15,8 +15,8 @@ from contrafl.config import load_config
 from contrafl.engine.run_dir import RunDir, finite, to_json
 from contrafl.engine.setup import prepare
 from contrafl.engine.simulation import Simulation
-from contrafl.eval.probe import _spectrum_record
-from contrafl.eval.report import report
+from contrafl.experiments.probe import _spectrum_record
+from contrafl.experiments.report import report
 from conftest import strict_json
 
 FAST = ["rounds=2", "local_epochs=1", "num_clients=4", "executor=sequential"]
@@ -178,7 +178,7 @@ def test_run_takes_options_named_by_the_algorithm_as_compare_does():
 
 
 def test_suite_methods_are_case_insensitive(tmp_path):
-    from contrafl.eval.suite import load_suite, run_suite
+    from contrafl.experiments.suite import load_suite, run_suite
 
     path = tmp_path / "s.yaml"
     path.write_text("name: s\nmethods: {FedAvg: {algorithm: fedavg}, MOON: {algorithm: moon}}\nseeds: [0]\n")
@@ -193,7 +193,7 @@ def test_a_copy_inside_a_run_is_not_a_run(tmp_path, capsys):
     """#35: MLflow's artifact copy of a tracked run (RUN/mlflow/artifacts/ID/artifacts)
     holds the run's files; `contrafl report` lists the run once, and a directory of runs
     beside it are all listed."""
-    from contrafl.eval.report import find_runs
+    from contrafl.experiments.report import find_runs
 
     run(tmp_path / "runs", "avg", "algorithm=fedavg")
     avg = tmp_path / "runs" / "avg"
@@ -214,9 +214,9 @@ def test_a_copy_inside_a_run_is_not_a_run(tmp_path, capsys):
 
 def test_single_seed_numbers_have_no_std():
     """#35: one seed is `61.78`, not `61.78 ± 0.00`, in suite and sweep tables."""
-    from contrafl.eval.report import mean_pm, pm
-    from contrafl.eval.suite import Suite, format_table
-    from contrafl.eval.sweep import Sweep, format_table as sweep_table
+    from contrafl.experiments.report import mean_pm, pm
+    from contrafl.experiments.suite import Suite, format_table
+    from contrafl.experiments.sweep import Sweep, format_table as sweep_table
 
     assert pm(0.6178, 0.0, 1) == "61.78" and pm(0.6178, 0.0042, 2) == "61.78 ± 0.42" and mean_pm([0.5, 0.7]) == "60.00 ± 10.00"
     suite = Suite(name="s", base={}, methods={"fedavg": {}})

@@ -8,16 +8,8 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from contrafl.eval.representation import (
-    extract_features,
-    finetune,
-    knn_accuracy,
-    knn_predict,
-    knn_scores,
-    linear_probe,
-    select_labeled,
-    singular_spectrum,
-)
+from contrafl.metrics.knn import extract_features, knn_accuracy, knn_predict, knn_scores
+from contrafl.experiments.representation import finetune, linear_probe, select_labeled, singular_spectrum
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 

@@ -122,7 +122,7 @@ def test_personal_evaluation_on_client_test_splits():
 def test_personal_accuracy_is_sample_weighted_with_the_std_over_clients():
     """PFLlib's metric: sum_i correct_i / sum_i n_i, and the population std of the
     per-client accuracies; FedAvg's clients hold the received global model."""
-    from contrafl.eval.evaluate import evaluate
+    from contrafl.metrics.evaluate import evaluate
 
     sim = simulate("test_fraction=0.25", "pool=true", "rounds=2", "eval_personal=auto")
     correct, n, accs = 0.0, 0, []

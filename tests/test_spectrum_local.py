@@ -14,7 +14,7 @@ from contrafl.config import load_config
 from contrafl.engine.run_dir import RunDir
 from contrafl.engine.setup import prepare
 from contrafl.engine.simulation import Simulation, load_checkpoint, read_only
-from contrafl.eval.probe import client_ids, effective_rank
+from contrafl.experiments.probe import client_ids, effective_rank
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -10,8 +10,8 @@ import yaml
 from contrafl.cli import main
 from contrafl.engine.setup import resolve
 from contrafl.errors import ConfigError
-from contrafl.eval.metrics import mean_std
-from contrafl.eval.suite import Suite, _combine, _slug, format_table, load_suite, run_suite
+from contrafl.metrics.history import mean_std
+from contrafl.experiments.suite import Suite, _combine, _slug, format_table, load_suite, run_suite
 
 EXPERIMENTS = Path(__file__).resolve().parents[1] / "experiments"
 
@@ -114,7 +114,7 @@ def test_compare_command(tmp_path, capsys):
 def test_every_key_of_results_json_is_documented():
     """docs/sweeps.md names every key a suite's (compare, experiment) and a sweep's
     results.json hold."""
-    from contrafl.eval import suite, sweep
+    from contrafl.experiments import suite, sweep
 
     doc = (Path(__file__).resolve().parents[1] / "docs" / "sweeps.md").read_text()
     keys = set()

@@ -14,8 +14,8 @@ import pytest
 from conftest import check_screenshot, chromium_screenshot
 from contrafl.cli import main
 from contrafl.errors import ConfigError
-from contrafl.eval.report import find_runs, read_run
-from contrafl.eval.sweep import Sweep, load_sweep, sweep_report
+from contrafl.experiments.report import find_runs, read_run
+from contrafl.experiments.sweep import Sweep, load_sweep, sweep_report
 
 SPEC = """\
 name: digits sweep
@@ -214,8 +214,8 @@ def test_a_run_stopped_after_its_last_round_is_reported_done(tmp_path):
     import io
     from types import SimpleNamespace
 
-    from contrafl.eval.suite import Cell
-    from contrafl.eval.sweep import _Board
+    from contrafl.experiments.suite import Cell
+    from contrafl.experiments.sweep import _Board
 
     path = tmp_path / "cell" / "seed0"
     path.mkdir(parents=True)

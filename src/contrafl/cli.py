@@ -375,8 +375,8 @@ def cmd_download(ns: argparse.Namespace) -> int:
 def cmd_partition(ns: argparse.Namespace) -> int:
     from .data.partition import format_partition
     from .engine.setup import prepare
-    from .eval.plots import plot_partition_heatmap
-    from .eval.report import partition_label
+    from .experiments.plots import plot_partition_heatmap
+    from .experiments.report import partition_label
 
     config_path, overrides = _split_run_args(ns.args)
     if ns.out:
@@ -399,12 +399,12 @@ def cmd_partition(ns: argparse.Namespace) -> int:
 
 
 def cmd_report(ns: argparse.Namespace) -> int:
-    from .eval.report import report
-    from .eval.suite import SUITE_RECORD, suite_report
-    from .eval.sweep import SWEEP_RECORD, sweep_report
+    from .experiments.report import report
+    from .experiments.suite import SUITE_RECORD, suite_report
+    from .experiments.sweep import SWEEP_RECORD, sweep_report
 
     if ns.update:
-        from .eval.markdown import update
+        from .experiments.markdown import update
 
         done, left = update(Path(ns.update))
         print(f"{ns.update}: {len(done)} tables and figures regenerated from their run directories ({', '.join(done) or 'none'})"
@@ -414,7 +414,7 @@ def cmd_report(ns: argparse.Namespace) -> int:
         raise ContraflError("give run directories or a suite directory, e.g. `contrafl report runs/reduced`, or --update FILE")
     paths = [Path(p) for p in ns.runs]
     if ns.html:
-        from .eval.html import write_html
+        from .experiments.html import write_html
 
         argv = ["report", *ns.runs, "--html", ns.html]
         out = write_html(paths, check_output(Path(ns.html), "--html", folder=False), argv)
@@ -431,7 +431,7 @@ def cmd_report(ns: argparse.Namespace) -> int:
 
 
 def cmd_eval_repr(ns: argparse.Namespace) -> int:
-    from .eval.probe import evaluate_run
+    from .experiments.probe import evaluate_run
 
     result = evaluate_run(
         Path(ns.run_dir), ns.protocol, label_fraction=ns.label_fraction, epochs=ns.epochs, seed=ns.seed,
@@ -457,7 +457,7 @@ def cmd_eval_repr(ns: argparse.Namespace) -> int:
 
 
 def cmd_plot_repr(ns: argparse.Namespace) -> int:
-    from .eval.tsne import FIGURE, plot_run
+    from .experiments.tsne import FIGURE, plot_run
 
     out = check_output(Path(ns.out) if ns.out else Path(ns.run_dir) / FIGURE, "--out", folder=False)
     result = plot_run(
@@ -474,7 +474,7 @@ def cmd_plot_repr(ns: argparse.Namespace) -> int:
 
 
 def cmd_experiment(ns: argparse.Namespace) -> int:
-    from .eval.suite import load_suite
+    from .experiments.suite import load_suite
 
     suite = load_suite(Path(ns.file))
     if ns.seeds:
@@ -485,8 +485,8 @@ def cmd_experiment(ns: argparse.Namespace) -> int:
 
 
 def cmd_compare(ns: argparse.Namespace) -> int:
-    from .eval.report import algorithm_label
-    from .eval.suite import Suite
+    from .experiments.report import algorithm_label
+    from .experiments.suite import Suite
 
     algorithms = [a for a in ns.args if "=" not in a]
     if len(algorithms) < 2:
@@ -514,7 +514,7 @@ def cmd_compare(ns: argparse.Namespace) -> int:
 
 
 def cmd_sweep(ns: argparse.Namespace) -> int:
-    from .eval.sweep import format_table, interrupted_line, load_sweep, run_sweep
+    from .experiments.sweep import format_table, interrupted_line, load_sweep, run_sweep
 
     sweep = load_sweep(Path(ns.file))
     if ns.seeds:
@@ -541,7 +541,7 @@ def cmd_sweep(ns: argparse.Namespace) -> int:
 def _run_suite(suite, out: Path, overrides: list[str], methods: list[str] | None, done: str) -> int:
     """Run a suite with progress; its table, or one line when it is interrupted."""
     from .engine.signals import exit_code, signal_name
-    from .eval.suite import format_table, run_suite
+    from .experiments.suite import format_table, run_suite
 
     try:
         results = run_suite(suite, out, overrides, methods, progress=sys.stdout)

@@ -40,9 +40,9 @@ from ..algorithms.server_opt import ServerOptimizer
 from ..config import Config, fingerprint
 from ..data.augment import view_transform
 from ..errors import CheckpointError, ClientUpdateError, one_line
-from ..eval.evaluate import evaluate
-from ..eval.metrics import mean_std, rounds_to_reach
-from ..eval.representation import bank_and_queries, extract_features, knn_accuracy
+from ..metrics.evaluate import evaluate
+from ..metrics.history import mean_std, rounds_to_reach
+from ..metrics.knn import bank_and_queries, extract_features, knn_accuracy
 from ..models.base import ModelOutput
 from .checkpoint import CHECKPOINT_FORMAT, check_checkpoint, check_client_state, client_files, is_whole, load_safe, save_atomic
 from .client_store import ClientStore
@@ -126,7 +126,7 @@ def loss_parts(stats: dict[str, torch.Tensor]) -> dict[str, float]:
 
 Scores = dict[str, float]
 """A model's evaluation on a client's test data: ``acc``, ``loss`` (means) and ``n``
-(:func:`contrafl.eval.evaluate.evaluate`)."""
+(:func:`contrafl.metrics.evaluate.evaluate`)."""
 
 
 class Transport(Protocol):
@@ -688,7 +688,7 @@ class Simulation:
 
     def evaluate_knn(self) -> float:
         """Weighted kNN accuracy of the global model's encoder features ``h``
-        (:func:`~contrafl.eval.representation.knn_scores`, ``knn_k`` neighbours,
+        (:func:`~contrafl.metrics.knn.knn_scores`, ``knn_k`` neighbours,
         ``knn_temperature``): the memory bank is the union of the clients' training sets,
         the queries the test set (the clients' test splits when the test set is pooled
         into them), both without augmentation."""

@@ -26,7 +26,7 @@ from typing import Any
 import yaml
 
 from ..errors import ContraflError
-from .metrics import last_value, rounds_to_reach
+from ..metrics.history import last_value, rounds_to_reach
 
 
 def is_run(path: Path) -> bool:
@@ -229,7 +229,7 @@ def pm(mean: float, std: float, seeds: int, scale: float = 100.0) -> str:
 
 def mean_pm(values: Sequence[float], scale: float = 100.0) -> str:
     """:func:`pm` of the mean and std of ``values`` (one per seed)."""
-    from .metrics import mean_std
+    from ..metrics.history import mean_std
 
     return pm(*mean_std(list(values)), len(values), scale)
 

@@ -22,7 +22,7 @@ the table has a row per method and an accuracy and a client-std column per setti
 the std over clients at that round (PFLlib, FedCRL's Tables II-III); the default
 ``final`` reports the last round's global test accuracy (MOON's tables).
 ``metric: representation`` reports the last round's kNN accuracy of the global encoder
-and the accuracy of every probe in ``probes`` (:mod:`contrafl.eval.probe`: ``linear``,
+and the accuracy of every probe in ``probes`` (:mod:`contrafl.experiments.probe`: ``linear``,
 ``finetune-1%``, ``finetune-10%``), which the suite runs on each finished run and keeps
 in its ``representation/`` folder (FedU2's Tables 1-2).
 
@@ -57,7 +57,7 @@ from ..engine.run_dir import read_summary, to_json
 from ..engine.signals import interrupts, stop_point
 from ..errors import ConfigError, one_line
 from ..words import count
-from .metrics import last_row, last_value, mean_std, rounds_to_reach
+from ..metrics.history import last_row, last_value, mean_std, rounds_to_reach
 from .report import pm, read_run
 
 
@@ -148,7 +148,7 @@ def load_suite(path: Path) -> Suite:
 
 
 PROBES = {"linear": ("linear", 0.0), "finetune-1%": ("finetune", 0.01), "finetune-10%": ("finetune", 0.1)}
-"""Suite probe names: (protocol of :func:`contrafl.eval.probe.evaluate_run`, label fraction)."""
+"""Suite probe names: (protocol of :func:`contrafl.experiments.probe.evaluate_run`, label fraction)."""
 
 
 def _combine(setting: Mapping[str, Any], method: Mapping[str, Any]) -> dict[str, Any]:

@@ -40,7 +40,7 @@ import numpy as np
 from .. import __version__
 from ..config import fingerprint
 from ..errors import ContraflError
-from .metrics import mean_std
+from ..metrics.history import mean_std
 from .report import (
     METRICS, Metric, algorithm_label, configuration_labels, count_states, find_runs, mean_pm, partition_label, read_run,
     run_metric, worst_fraction,
@@ -88,7 +88,7 @@ class Group:
 
     @property
     def states(self) -> str:
-        """How many of the runs are in each state (:func:`~contrafl.eval.report.count_states`)."""
+        """How many of the runs are in each state (:func:`~contrafl.experiments.report.count_states`)."""
         return count_states(r.status for r in self.runs)
 
 
@@ -118,10 +118,10 @@ def _records(paths: Sequence[Path]) -> dict[Path, tuple[tuple[str, str], str, An
 def group_runs(paths: Sequence[Path]) -> list[Group]:
     """The runs below ``paths`` grouped by configuration except the seed: by method or
     cell for suites and sweeps, else by their settings. A group is labelled by its
-    suite's method or sweep's cell, else by :func:`~contrafl.eval.report.algorithm_label`
+    suite's method or sweep's cell, else by :func:`~contrafl.experiments.report.algorithm_label`
     (``moon mu=5``; also a suite method named as its bare algorithm, as ``contrafl
     compare`` named its methods before it named them so), with the settings that tell
-    apart groups of one label (:func:`~contrafl.eval.report.configuration_labels`)."""
+    apart groups of one label (:func:`~contrafl.experiments.report.configuration_labels`)."""
     records = _records(paths)
     units: dict[Any, tuple[str | None, Any, list[Run]]] = {}
     for path, name in find_runs(paths):
@@ -257,8 +257,8 @@ def fairness_rows(groups: Sequence[Group]) -> list[list[str]]:
 # -- figures ---------------------------------------------------------------------------
 
 def _figure(width: float, height: float):
-    """A figure of ``width`` x ``height`` inches (:func:`~contrafl.eval.plots.figure`:
-    at most :data:`~contrafl.eval.plots.PAGE_WIDTH` wide, shown at its own size in the
+    """A figure of ``width`` x ``height`` inches (:func:`~contrafl.experiments.plots.figure`:
+    at most :data:`~contrafl.experiments.plots.PAGE_WIDTH` wide, shown at its own size in the
     page, laid out by constrained layout, which makes room for every label and legend
     where tight_layout gives up on long ones)."""
     from .plots import figure

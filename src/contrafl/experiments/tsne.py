@@ -10,7 +10,7 @@ inputs (the run's evaluation transform): what the kNN monitor and the linear pro
 Local models are those of ``contrafl eval-repr --protocol spectrum``: the model each client
 trains in one more round of local training from the checkpoint and its stored state, with
 the parts it keeps to itself (a local body or head), trained without writing to the run
-directory (:func:`~contrafl.eval.probe._local_encoders`). Where a client trains two models
+directory (:func:`~contrafl.experiments.probe._local_encoders`). Where a client trains two models
 (Ditto, pFedMe) this is the one it sends, not its personal model. A global encoder that is
 still its initialisation (FedProto, SOLO, FedGH, LG-FedAvg) gets no panel.
 
@@ -40,7 +40,8 @@ from torch.nn import functional as F
 from ..engine.run_dir import to_json
 from ..errors import ContraflError
 from .probe import _load, _local_encoders, client_ids, global_encoder_trained
-from .representation import extract_features, select_labeled
+from ..metrics.knn import extract_features
+from .representation import select_labeled
 
 FIGURE = Path("representation") / "tsne.png"
 """The figure's path in a run directory by default; ``tsne.json`` is beside it."""
@@ -73,10 +74,10 @@ def plot_run(
     and return the record also written as JSON next to the PNG ``out`` (default
     ``run_dir/representation/tsne.png``, the JSON ``tsne.json`` beside it).
 
-    ``clients`` are ids as :func:`~contrafl.eval.probe.client_ids` reads them (``"0,3"``,
+    ``clients`` are ids as :func:`~contrafl.experiments.probe.client_ids` reads them (``"0,3"``,
     ``"all"``), by default the first :data:`DEFAULT_CLIENTS`; ``local=False`` plots the
     global model only. ``samples`` test samples (all when there are fewer) are drawn
-    class-stratified with ``seed`` (:func:`~contrafl.eval.representation.select_labeled`),
+    class-stratified with ``seed`` (:func:`~contrafl.experiments.representation.select_labeled`),
     the same for every panel; t-SNE (scikit-learn, PCA initialisation, ``random_state=seed``)
     runs with ``perplexity``, clipped to ``samples - 1``.
 

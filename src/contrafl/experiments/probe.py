@@ -37,7 +37,8 @@ from ..data import augment
 from ..engine.checkpoint import check_checkpoint
 from ..engine.run_dir import CHECKPOINT, to_json
 from ..errors import ContraflError
-from .representation import bank_and_queries, extract_features, finetune, knn_accuracy, linear_probe, singular_spectrum
+from ..metrics.knn import bank_and_queries, extract_features, knn_accuracy
+from .representation import finetune, linear_probe, singular_spectrum
 
 PROTOCOLS = ("knn", "linear", "finetune", "spectrum")
 LOCAL_CLIENTS = 10  # local spectra by default: the first clients, at most this many

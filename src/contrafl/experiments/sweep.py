@@ -17,7 +17,7 @@ option written with an algorithm's name, ``moon.mu``, applies to the cells that 
 algorithm and is left out of the others, so the grid above has 2 x 2 FedAvg cells and
 2 x 2 x 2 MOON cells, not 2 x 2 x 2 x 2.
 
-A sweep is run as a suite (:mod:`contrafl.eval.suite`) whose methods are its cells: each
+A sweep is run as a suite (:mod:`contrafl.experiments.suite`) whose methods are its cells: each
 run goes to ``OUT/<cell>/seed<k>/``, a finished run with the same settings is reused and a
 stopped one resumes from its checkpoint. Runs go to ``workers`` processes of ``contrafl
 run``, each on its share of the CPU cores; ``OUT/sweep.json`` records the sweep and
@@ -48,7 +48,7 @@ from ..engine.run_dir import read_summary, to_json
 from ..engine.signals import exit_code, interrupts, signal_name, stop_point
 from ..errors import ConfigError
 from ..words import count
-from .metrics import mean_std
+from ..metrics.history import mean_std
 from .report import METRICS, Metric, _format, count_states, pm, read_run, run_metric
 from .suite import Cell, Suite, _inspect, _paths_from, _slug, resolved_configs, run_path
 
@@ -434,7 +434,7 @@ def _last_error(log: Path) -> str:
 
 def collect(sweep: Sweep, suite: Suite, out: Path, cells: Sequence[Cell]) -> dict[str, Any]:
     """Per cell: its settings, the completed runs with the current settings and, in
-    their metric (:func:`~contrafl.eval.report.run_metric`), the final value per seed
+    their metric (:func:`~contrafl.experiments.report.run_metric`), the final value per seed
     with mean and std, the best value and round per seed, the client std at the final
     round (personalised runs), and the state of its other runs."""
     from .suite import run_fingerprint

@@ -1,1 +1,0 @@
-"""contrafl.eval"""
