@@ -102,7 +102,7 @@ def cmd_run(ns: argparse.Namespace) -> int:
     _warn(setup.warnings)
     sim = Simulation(setup, run_dir, None if ns.quiet else Progress(cfg.rounds, sys.stdout))
     if not ns.quiet:
-        planned = estimate.estimate(sim, shortest=estimate.SHORT_RUN_S)
+        planned = estimate.estimate(sim, shortest=estimate.SHORT_RUN_S, say=lambda line: print(line, flush=True))
         if planned is not None:
             print(planned.line(), flush=True)
             sim.estimated_time_s = round(planned.seconds, 1)

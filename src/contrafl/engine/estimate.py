@@ -8,7 +8,7 @@ keeps it as ``estimated_time_s``):
 * local training: every sampled client's local steps in every round (its plan's
   batches: its samples, the phases' epochs and batch sizes, ``drop_last``) at the
   measured time of a step. Sequential executor: one client's steps, as many as take
-  about :data:`MEASURE_SECONDS`. Parallel executor: the same with a worker's threads,
+  about :data:`MEASURE_SECONDS` (one, when a step takes :data:`SLOW_STEP_S` or more). Parallel executor: the same with a worker's threads,
   each round's clients shared among the workers as
   :func:`~contrafl.engine.parallel.balance` shares them, plus the executor's start
   (forking its workers), measured on one step per worker. Vectorized executor: a
@@ -40,6 +40,7 @@ from .executor import Job, SequentialExecutor
 from .parallel import ParallelExecutor, balance
 from .plan import ClientPlan, epoch_batch_sizes
 from .progress import clock_text
+from ..words import count
 from .vectorized import VectorizedExecutor
 
 if TYPE_CHECKING:
@@ -49,6 +50,7 @@ CALIBRATION_STEPS = 5  # the fewest steps timed
 MEASURE_SECONDS = 0.3  # of timed training per measurement (at most MAX_STEPS steps): well above the jitter of a busy machine
 MAX_STEPS = 50
 SHORT_RUN_S = 30.0  # contrafl run prints no estimate for a run that one timed step puts below this
+SLOW_STEP_S = 1.0  # a step this slow (a heavy model on a CPU) is timed once: the calibration takes a few steps' time
 REPEATS = 2  # timings of the same steps, the least kept
 T = TypeVar("T")
 
@@ -75,7 +77,7 @@ class Estimate:
     def line(self) -> str:
         per_step = self.train_seconds / max(self.steps, 1)
         return (
-            f"estimated time: ~{clock_text(self.seconds)} (calibrated on {self.calibration_steps} local steps: "
+            f"estimated time: ~{clock_text(self.seconds)} (calibrated on {count(self.calibration_steps, 'local step')}: "
             f"{per_step:.3g} s/step x {self.steps:,} steps + evaluation {clock_text(self.eval_seconds)})"
         )
 
@@ -163,6 +165,8 @@ class Calibration:
         times), and the steps trained."""
         cid = self.cids[0]
         first = self.seconds(train, [self.job(cid, 1)])
+        if first >= SLOW_STEP_S:  # its warm-up is small beside it: this one step is the measurement
+            return first, 1
         job = self.job(cid, self.budget_for(first))
         return self.seconds(train, [job], repeats=REPEATS) / steps_of(job), REPEATS * steps_of(job) + 1
 
@@ -179,21 +183,24 @@ def steps_of(job: Job) -> int:
     return sum(p.steps for p in job.plans)
 
 
-def estimate(sim: Simulation, budget: int = CALIBRATION_STEPS, shortest: float = 0.0) -> Estimate | None:
+def estimate(
+    sim: Simulation, budget: int = CALIBRATION_STEPS, shortest: float = 0.0, say: Callable[[str], object] | None = None,
+) -> Estimate | None:
     """The time of the new run ``sim``, calibrated on ``budget`` local steps (more for
     the parallel executor) of clients of its second round; None for a run that has
     done rounds, whose clients train elsewhere (a Flower grid), or whose calibration
     round has no client that takes a step, and for a run that its first timed step (one
     client's, a warm-up included: an upper bound) puts below ``shortest`` seconds, which
     needs no plan. Call it before :meth:`Simulation.run`: the run computes what it
-    computes without it."""
+    computes without it. A step slower than :data:`SLOW_STEP_S` is timed once, and
+    ``say`` (when given) is told what the calibration does before it goes on."""
     if sim.transport is not None or sim.rounds_done:
         return None
     cpu_state = torch.get_rng_state()
     cuda_state = torch.cuda.get_rng_state(sim.device) if sim.device.type == "cuda" else None
     threads = torch.get_num_threads()
     try:
-        return _estimate(Calibration(sim, budget), shortest)
+        return _estimate(Calibration(sim, budget), shortest, say)
     finally:
         torch.set_num_threads(threads)
         torch.set_rng_state(cpu_state)
@@ -201,15 +208,18 @@ def estimate(sim: Simulation, budget: int = CALIBRATION_STEPS, shortest: float =
             torch.cuda.set_rng_state(cuda_state, sim.device)
 
 
-def _estimate(cal: Calibration, shortest: float) -> Estimate | None:
+def _estimate(cal: Calibration, shortest: float, say: Callable[[str], object] | None) -> Estimate | None:
     sim = cal.sim
     if not cal.cids or not steps_of(cal.job(cal.cids[0], 1)):  # e.g. Orchestra's first round
         return None
     per_round = [[sum(client_steps(sim, c, sim.algorithm.phases(t))) for c in sim.schedule[t]] for t in range(sim.cfg.rounds)]
-    if shortest > 0:
+    if shortest > 0 or say is not None:
         first = cal.seconds(SequentialExecutor(cal.executor.workload).train, [cal.job(cal.cids[0], 1)])
         if first * sum(map(sum, per_round)) < shortest:
             return None
+        if say is not None and first >= SLOW_STEP_S:
+            say(f"estimating the run's time: a local step takes about {first:.0f}s here; timing one more "
+                f"{'on each worker ' if isinstance(cal.executor, ParallelExecutor) else ''}and an evaluation batch")
     if isinstance(cal.executor, VectorizedExecutor):
         train_seconds, measured = _vectorized(cal, cal.executor, per_round)
     elif isinstance(cal.executor, ParallelExecutor) and min(cal.executor.workers, len(cal.cids)) > 1:
