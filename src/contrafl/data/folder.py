@@ -41,6 +41,7 @@ from PIL import Image
 
 from .. import params as P
 from ..errors import ConfigError, DataError
+from . import pictures
 from .base import FederatedDataset
 from .datasets import _fingerprint
 from .registry import DATASETS, DatasetSpec, LoadRequest
@@ -57,21 +58,9 @@ PROGRESS_FROM = 1000
 
 
 @dataclass(frozen=True)
-class Size:
-    """Check: one positive side, or two ``[H, W]``."""
-
-    def __call__(self, value) -> bool:
-        sides = [value] if isinstance(value, int) else list(value)
-        return len(sides) in (1, 2) and all(s >= 1 for s in sides)
-
-    def __str__(self) -> str:
-        return "a positive size N (N x N) or [H,W]"
-
-
-@dataclass(frozen=True)
 class _Color(P.OneOf):
-    """:class:`~contrafl.params.OneOf` that also reads ``gray`` (``dataset=huggingface``'s
-    spelling) as ``grayscale``."""
+    """:class:`~contrafl.params.OneOf` that also reads ``gray`` (and ``grey``,
+    ``greyscale``) as ``grayscale``."""
 
     def canonical(self, value):
         return "grayscale" if isinstance(value, str) and P.fold(value) in ("gray", "grey", "greyscale") else super().canonical(value)
@@ -82,7 +71,7 @@ class FolderOptions(CommonOptions):
     """Options of ``dataset=folder``."""
 
     size: int | list[int] | None = P.param(
-        None, Size(), "resize every image to N x N or [H,W] pixels, bilinear (auto: keep the size, which must then be the same for all)"
+        None, pictures.Size(), "resize every image to N x N or [H,W] pixels, bilinear (auto: keep the size, which must then be the same for all)"
     )
     color: str = P.param(
         "auto", _Color(("auto", "rgb", "grayscale")), "channels: rgb (3), grayscale (1; also 'gray'), or auto: grayscale if every image is, else rgb"
@@ -190,11 +179,6 @@ def _open_error(path: Path, exc: BaseException) -> DataError:
     return DataError(f"{path} is not a readable image ({why}); replace or remove it")
 
 
-# Pillow signals unreadable data with OSError (incl. UnidentifiedImageError), SyntaxError,
-# ValueError, EOFError or DecompressionBombError depending on the decoder.
-_PIL_ERRORS = (OSError, SyntaxError, ValueError, EOFError, Image.DecompressionBombError)
-
-
 def _headers(paths: Sequence[Path]) -> list[tuple[tuple[int, int], str]]:
     """``((width, height), mode)`` of each image, from its header."""
     out = []
@@ -202,7 +186,7 @@ def _headers(paths: Sequence[Path]) -> list[tuple[tuple[int, int], str]]:
         try:
             with Image.open(path) as img:
                 out.append((img.size, img.mode))
-        except _PIL_ERRORS as exc:
+        except pictures.PIL_ERRORS as exc:
             raise _open_error(path, exc) from None
     return out
 
@@ -210,8 +194,7 @@ def _headers(paths: Sequence[Path]) -> list[tuple[tuple[int, int], str]]:
 def _target(paths: Sequence[Path], headers, options: FolderOptions) -> tuple[int, int, str]:
     """``(height, width, Pillow mode)`` every image is decoded to."""
     if options.size is not None:
-        sides = [options.size] if isinstance(options.size, int) else list(options.size)
-        height, width = sides * 2 if len(sides) == 1 else sides
+        height, width = pictures.sides(options.size)
     else:
         (width, height), _ = headers[0]
         other = next((i for i, (size, _) in enumerate(headers) if size != (width, height)), None)
@@ -233,13 +216,9 @@ def _decode(paths: Sequence[Path], height: int, width: int, mode: str) -> np.nda
                 warnings.simplefilter("ignore")  # palette transparency notes
                 if img.mode.startswith("I;16"):  # 16-bit: scaled to 8 bits (Pillow's convert clips at 255)
                     img = Image.fromarray(np.round(np.asarray(img, dtype=np.float64) / 257).astype(np.uint8))
-                img = img.convert(mode)
-                if img.size != (width, height):
-                    img = img.resize((width, height), Image.Resampling.BILINEAR)
-                pixels = np.asarray(img)
-        except _PIL_ERRORS as exc:
+                x[i] = pictures.pixels(img, height, width, mode)
+        except pictures.PIL_ERRORS as exc:
             raise _open_error(path, exc) from None
-        x[i] = pixels[None] if pixels.ndim == 2 else pixels.transpose(2, 0, 1)
     return x
 
 

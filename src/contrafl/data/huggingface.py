@@ -41,6 +41,7 @@ import numpy as np
 
 from .. import params as P
 from ..errors import ConfigError, DataError
+from . import pictures
 from .base import FederatedDataset
 from .registry import DATASETS, DatasetSpec, LoadRequest
 from .user import CommonOptions, Part, assemble, check_memory, natural_key, split_test
@@ -52,25 +53,8 @@ FORMATS = {".parquet": "parquet", ".arrow": "arrow", ".csv": "csv", ".json": "js
 """Data file extensions and the ``datasets`` builder that reads them."""
 GREY_MODES = frozenset({"1", "L", "LA", "La", "I", "I;16", "I;16L", "I;16B", "I;16N", "F"})
 """PIL modes of greyscale images (``color=auto`` keeps one channel when every image has one)."""
-_PIL_ERRORS = (OSError, SyntaxError, ValueError, EOFError)
-"""What Pillow raises for unreadable data, depending on the decoder (DecompressionBombError is
-a subclass of Exception only, added where Pillow is imported)."""
 PROGRESS_IMAGES = 10_000
 """Decoding at least this many images prints one line on stderr first."""
-"""Seed of the ``test_fraction`` split of a dataset without a test split (fixed, so that the
-dataset does not change with the run's seed)."""
-
-
-@dataclass(frozen=True)
-class _Size:
-    """Check: ``[side]`` or ``[height, width]``, each >= 1."""
-
-    def __call__(self, value: Any) -> bool:
-        values = value if isinstance(value, list) else [value]
-        return len(values) in (1, 2) and all(v >= 1 for v in values)
-
-    def __str__(self) -> str:
-        return "a positive size N (N x N) or [H,W]"
 
 
 @dataclass(frozen=True)
@@ -91,7 +75,7 @@ class HuggingFaceOptions(CommonOptions):
         0.2, P.Interval(0, 1, "left"), "without a test split: the share of each client's (or the dataset's) training rows held out as test rows (fixed draw)"
     )
     size: int | list[int] | None = P.param(
-        None, _Size(), "resize every image to N x N or [H,W] pixels, bilinear (auto: keep the size, which must then be the same for all)"
+        None, pictures.Size(), "resize every image to N x N or [H,W] pixels, bilinear (auto: keep the size, which must then be the same for all)"
     )
     color: str = P.param(
         "auto", P.OneOf(("auto", "rgb", "grayscale")), "channels of the images: rgb (3), grayscale (1), or auto: grayscale if every image is, else rgb"
@@ -394,7 +378,7 @@ def _open_image(value: Any, row: int, where: str) -> Any:
         raise DataError(f"{where}: row {row} has no image; fill it in or drop the row")
     try:
         return Image.open(io.BytesIO(value["bytes"]) if value.get("bytes") is not None else value["path"])
-    except (*_PIL_ERRORS, Image.DecompressionBombError) as exc:
+    except pictures.PIL_ERRORS as exc:
         raise DataError(f"{where}: the image of row {row} cannot be decoded ({_first_line(exc)}); replace or drop it") from None
 
 
@@ -419,8 +403,7 @@ def _images(
                 grey = grey and img.mode in GREY_MODES
     total = sum(len(ds) for _, ds, _ in splits)
     if o.size is not None:
-        side = o.size if isinstance(o.size, list) else [o.size]
-        height, width = side[0], side[-1]
+        height, width = pictures.sides(o.size)
     elif len(sizes) > 1:
         (a, (wa, ra)), (b, (wb, rb)) = list(sizes.items())[:2]
         raise DataError(
@@ -434,8 +417,6 @@ def _images(
     check_memory(total * channels * height * width, o, f"the {total} images of {source} at {channels}x{height}x{width}")
     if total >= PROGRESS_IMAGES:
         print(f"contrafl: decoding {total:,} images of {source} ({channels}x{height}x{width}) ...", file=sys.stderr, flush=True)
-    from PIL import Image
-
     out = []
     for split, ds, where in splits:
         x = np.empty((len(ds), channels, height, width), dtype=np.uint8)
@@ -443,13 +424,9 @@ def _images(
             with _open_image(value, row, where) as img, warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # palette transparency notes
                 try:
-                    img = img.convert(mode)
-                    if img.size != (width, height):
-                        img = img.resize((width, height), Image.Resampling.BILINEAR)
-                    pixels = np.asarray(img)
-                except (*_PIL_ERRORS, Image.DecompressionBombError) as exc:
+                    x[row] = pictures.pixels(img, height, width, mode)
+                except pictures.PIL_ERRORS as exc:
                     raise DataError(f"{where}: the image of row {row} cannot be decoded ({_first_line(exc)}); replace or drop it") from None
-            x[row] = pixels[None] if pixels.ndim == 2 else pixels.transpose(2, 0, 1)
         out.append(x)
     return out
 

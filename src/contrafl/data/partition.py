@@ -392,6 +392,21 @@ class Partition:
     def num_clients(self) -> int:
         return len(self.train)
 
+    @classmethod
+    def one_client(
+        cls, method: str, options: dict[str, Any], seed: int, num_clients: int, cid: int, n_train: int, n_test: int | None,
+    ) -> Partition:
+        """The partition as client ``cid`` sees it when it holds its own data alone: its
+        training rows ``0 .. n_train - 1``, then ``n_test`` test rows (``None``: no local
+        test split), and the other clients none."""
+        empty = np.zeros(0, dtype=np.int64)
+
+        def only(own: np.ndarray) -> list[np.ndarray]:
+            return [own if c == cid else empty for c in range(num_clients)]
+
+        test = None if n_test is None else only(np.arange(n_train, n_train + n_test))
+        return cls(method, dict(options), seed, train=only(np.arange(n_train)), test=test)
+
     def counts(self, labels: np.ndarray, num_classes: int, split: str = "train") -> np.ndarray:
         """``int64 [clients, classes]``: samples of each class held by each client."""
         if split not in ("train", "test"):

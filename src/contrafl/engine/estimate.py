@@ -8,8 +8,9 @@ keeps it as ``estimated_time_s``):
 * local training: every sampled client's local steps in every round (its plan's
   batches: its samples, the phases' epochs and batch sizes, ``drop_last``) at the
   measured time of a step. Sequential executor: one client's steps, as many as take
-  about :data:`MEASURE_SECONDS` (one, when a step takes :data:`SLOW_STEP_S` or more). Parallel executor: the same with a worker's threads,
-  each round's clients shared among the workers as
+  about :data:`MEASURE_SECONDS` (one, when a step takes :data:`SLOW_STEP_S` or more).
+  Parallel executor: the same with a worker's threads, each round's clients shared
+  among the workers as
   :func:`~contrafl.engine.parallel.balance` shares them, plus the executor's start
   (forking its workers), measured on one step per worker. Vectorized executor: a
   chunk of the round's clients and one client alone, :data:`CALIBRATION_STEPS` steps
@@ -125,6 +126,8 @@ class Calibration:
         self.cuda = sim.device.type == "cuda"
         # the round's clients, most steps first
         self.cids = sorted(sim.schedule[self.t], key=lambda c: -sum(client_steps(sim, c, self.phases)))
+        self.train = SequentialExecutor(self.executor.workload).train
+        self._first: dict[int, float] = {}  # torch threads -> seconds of the first step
 
     def job(self, cid: int, budget: int) -> Job:
         """Client ``cid``'s job cut to ``budget`` steps, its optimiser state a copy."""
@@ -159,16 +162,25 @@ class Calibration:
         (between ``budget`` and :data:`MAX_STEPS`)."""
         return max(self.budget, min(MAX_STEPS, round(MEASURE_SECONDS / max(step, 1e-6))))
 
-    def client_step(self, train: Callable[[list[Job]], object]) -> tuple[float, int]:
-        """Seconds of a local step of the round's client with the most steps trained
-        by ``train`` (a warm-up step, then :meth:`budget_for` steps, :data:`REPEATS`
-        times), and the steps trained."""
-        cid = self.cids[0]
-        first = self.seconds(train, [self.job(cid, 1)])
+    def first_step(self) -> float:
+        """Seconds of the first local step (its warm-up included: an upper bound) of the
+        round's client with the most steps, trained in this process with torch's
+        current threads; timed once per thread count."""
+        threads = torch.get_num_threads()
+        if threads not in self._first:
+            self._first[threads] = self.seconds(self.train, [self.job(self.cids[0], 1)])
+        return self._first[threads]
+
+    def client_step(self) -> tuple[float, int]:
+        """Seconds of a local step of the round's client with the most steps, trained
+        in this process (a warm-up step, then :meth:`budget_for` steps, :data:`REPEATS`
+        times; the first step alone when it takes :data:`SLOW_STEP_S` or more), and the
+        steps trained."""
+        first = self.first_step()
         if first >= SLOW_STEP_S:  # its warm-up is small beside it: this one step is the measurement
             return first, 1
-        job = self.job(cid, self.budget_for(first))
-        return self.seconds(train, [job], repeats=REPEATS) / steps_of(job), REPEATS * steps_of(job) + 1
+        job = self.job(self.cids[0], self.budget_for(first))
+        return self.seconds(self.train, [job], repeats=REPEATS) / steps_of(job), REPEATS * steps_of(job) + 1
 
     def sync(self) -> None:
         if self.cuda:
@@ -214,18 +226,18 @@ def _estimate(cal: Calibration, shortest: float, say: Callable[[str], object] | 
         return None
     per_round = [[sum(client_steps(sim, c, sim.algorithm.phases(t))) for c in sim.schedule[t]] for t in range(sim.cfg.rounds)]
     if shortest > 0 or say is not None:
-        first = cal.seconds(SequentialExecutor(cal.executor.workload).train, [cal.job(cal.cids[0], 1)])
+        first = cal.first_step()
         if first * sum(map(sum, per_round)) < shortest:
             return None
         if say is not None and first >= SLOW_STEP_S:
-            say(f"estimating the run's time: a local step takes about {first:.0f}s here; timing one more "
-                f"{'on each worker ' if isinstance(cal.executor, ParallelExecutor) else ''}and an evaluation batch")
+            more = "one step with a worker's threads and one on each worker, then " if isinstance(cal.executor, ParallelExecutor) else ""
+            say(f"estimating the run's time: a local step takes about {first:.0f}s here; timing {more}an evaluation batch")
     if isinstance(cal.executor, VectorizedExecutor):
         train_seconds, measured = _vectorized(cal, cal.executor, per_round)
     elif isinstance(cal.executor, ParallelExecutor) and min(cal.executor.workers, len(cal.cids)) > 1:
         train_seconds, measured = _parallel(cal, cal.executor, per_round)
     else:
-        step, measured = cal.client_step(SequentialExecutor(cal.executor.workload).train)
+        step, measured = cal.client_step()
         train_seconds = step * sum(map(sum, per_round))
     eval_seconds = _evaluation(cal)
     return Estimate(train_seconds + eval_seconds, train_seconds, eval_seconds, sum(map(sum, per_round)), measured)
@@ -238,7 +250,7 @@ def _parallel(cal: Calibration, executor: ParallelExecutor, per_round: list[list
     executor takes beyond one step to train one client per worker for one step (its
     workers start anew in every round)."""
     torch.set_num_threads(executor.threads)
-    step, measured = cal.client_step(SequentialExecutor(executor.workload).train)
+    step, measured = cal.client_step()
     jobs = [first_step(cal.job(c, 1)) for c in cal.cids[: executor.workers]]
     start = max(cal.seconds(executor.train, jobs) - step, 0.0)
     workers = min(executor.workers, len(cal.cids))

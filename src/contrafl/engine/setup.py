@@ -509,16 +509,7 @@ def prepare_node(cfg: Config, data_dir: Path, cid: int) -> Setup:
         test=ArrayDataset(loaded.test.x[:0], loaded.test.y[:0]),
         natural_partition=None, local_test=False,
     )
-    empty = np.zeros(0, dtype=np.int64)
-
-    def only(own: np.ndarray) -> list[np.ndarray]:
-        return [own if c == cid else empty for c in range(cfg.num_clients)]
-
-    partition = Partition(
-        "natural", {}, cfg.seed,
-        train=only(np.arange(n_train)),
-        test=only(np.arange(n_train, n_train + n_test)) if n_test else None,
-    )
+    partition = Partition.one_client("natural", {}, cfg.seed, cfg.num_clients, cid, n_train, n_test or None)
     return build(requested, cfg, data, partition)
 
 
@@ -543,19 +534,12 @@ def own_rows(setup: Setup, cid: int) -> Setup:
     full setup (:func:`~contrafl.engine.plan.make_plan` draws positions in the client's
     row list, not row numbers); the algorithm keeps the federation it was built with."""
     part = setup.partition
-    empty = np.zeros(0, dtype=np.int64)
     train = part.train[cid]
-    test = part.test[cid] if part.test is not None else empty
+    test = part.test[cid] if part.test is not None else np.zeros(0, dtype=np.int64)
     rows = torch.as_tensor(np.concatenate([train, test]), dtype=torch.long)
     data = dataclasses.replace(setup.data, train=ArrayDataset(setup.data.train.x[rows], setup.data.train.y[rows]))
-
-    def only(own: np.ndarray) -> list[np.ndarray]:
-        return [own if c == cid else empty for c in range(part.num_clients)]
-
-    mine = Partition(
-        part.method, part.options, part.seed,
-        train=only(np.arange(len(train))),
-        test=None if part.test is None else only(np.arange(len(train), len(rows))),
+    mine = Partition.one_client(
+        part.method, part.options, part.seed, part.num_clients, cid, len(train), None if part.test is None else len(test),
     )
     return dataclasses.replace(setup, data=data, partition=mine)
 
