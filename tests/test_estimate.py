@@ -12,7 +12,7 @@ import pytest
 from contrafl.cli import main
 from contrafl.config import load_config
 from contrafl.engine.estimate import Estimate, estimate
-from contrafl.engine.progress import Progress
+from contrafl.engine.progress import Progress, RoundWork
 from contrafl.engine.run_dir import RunDir
 from contrafl.engine.setup import prepare
 from contrafl.engine.simulation import Simulation
@@ -90,35 +90,80 @@ class FakeClock:
 
 
 def test_a_long_round_reports_clients_done_on_a_log_at_most_every_10_seconds():
+    """Clients trained elsewhere (a Flower grid): no steps, the clients done, and an ETA
+    from the clients' pace."""
     out, clock = io.StringIO(), FakeClock()
     progress = Progress(3, out, clock=clock)
+    work = RoundWork(1, 8)
     expected = []
     for at, done, line in [
         (5.0, 1, None),  # 5 s into the round: too early
-        (10.5, 2, "round 1/3: clients 2/8 done, 0:00:10 into the round"),
+        (10.5, 2, "round 1/3: clients 2/8 done, 0:00:10 into the round, ETA 0:01:56"),  # 31.5 s left + 2 x 42 s
         (15.0, 3, None),  # 4.5 s after the last line
-        (21.0, 4, "round 1/3: clients 4/8 done, 0:00:21 into the round"),
+        (21.0, 4, "round 1/3: clients 4/8 done, 0:00:21 into the round, ETA 0:01:45"),
         (40.0, 8, None),  # the round's last client: its round line follows
     ]:
         clock.now = 100.0 + at
-        progress.clients(1, done, 8)
+        work.clients_done = done
+        progress.working(work)
         expected += [line] if line else []
         assert out.getvalue().splitlines() == expected
     progress.round_done({"round": 1, "train_loss": 0.5})
     assert out.getvalue().splitlines()[-1].startswith("round 1/3  |")
+    work = RoundWork(2, 8)
     clock.now += 9.0  # 9 s into round 2
-    progress.clients(2, 1, 8)
+    work.clients_done = 1
+    progress.working(work)
     clock.now += 2.0
-    progress.clients(2, 2, 8)
-    assert out.getvalue().splitlines()[-1] == "round 2/3: clients 2/8 done, 0:00:11 into the round"
+    work.clients_done = 2
+    progress.working(work)  # this round: 33 s more; round 3: 40 s, the pace of round 1
+    assert out.getvalue().splitlines()[-1] == "round 2/3: clients 2/8 done, 0:00:11 into the round, ETA 0:01:13"
+
+
+def test_local_steps_give_the_round_its_progress_and_remake_the_eta_early():
+    """A heavy model: no client is done for minutes, the steps are. The first line comes
+    after `every` seconds, and its ETA is the round's measured pace, not the
+    calibration's."""
+    out, clock = io.StringIO(), FakeClock()
+    progress = Progress(2, out, clock=clock)
+    work = RoundWork(1, 10, steps=40)
+    for at, steps in [(4.0, 1), (8.0, 2), (12.0, 3)]:
+        clock.now = 100.0 + at
+        work.steps_done = steps
+        progress.working(work)
+    # 3 steps in 12 s: the round's 40 take 160 s, 148 s of them left, and round 2 as long
+    assert out.getvalue().splitlines() == [
+        "round 1/2: local steps 3/40, clients 0/10 done, 0:00:12 into the round, ETA 0:05:08"
+    ]
+
+
+def test_a_terminal_line_shows_steps_and_updates_at_most_every_LIVE_S():
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    out, clock = Terminal(), FakeClock()
+    progress = Progress(1, out, clock=clock)
+    work = RoundWork(1, 2, steps=100)
+    for i in range(1, 11):  # ten steps in 0.1 s: one update
+        clock.now += 0.01
+        work.steps_done = i
+        progress.working(work)
+    clock.now += 0.2
+    work.steps_done = 50
+    progress.working(work)
+    updates = out.getvalue().split("\r")[1:]
+    assert len(updates) == 1 and "|##########..........| local steps 50/100, clients 0/2 done ETA 0:00:00" in updates[0]
 
 
 def test_a_short_round_prints_only_its_line():
     out, clock = io.StringIO(), FakeClock()
     progress = Progress(2, out, clock=clock)
+    work = RoundWork(1, 5, steps=20)
     for done in range(1, 5):
         clock.now += 2.0
-        progress.clients(1, done, 5)
+        work.steps_done, work.clients_done = 4 * done, done
+        progress.working(work)
     progress.round_done({"round": 1})
     assert len(out.getvalue().splitlines()) == 1
 
@@ -136,3 +181,41 @@ def test_a_slow_step_is_timed_once_and_the_calibration_says_what_it_does(tmp_pat
     said = next(i for i, x in enumerate(lines) if x.startswith("estimating the run's time: a local step takes about"))
     line = next(i for i, x in enumerate(lines) if x.startswith("estimated time: ~"))
     assert said < line and "(calibrated on 1 local step:" in lines[line]
+
+
+class Recorder(Progress):
+    """Keeps the round's work every time it is reported (steps done, steps planned)."""
+
+    def __init__(self, rounds: int) -> None:
+        super().__init__(rounds, io.StringIO())
+        self.seen: dict[int, list[tuple[int, int | None]]] = {}
+
+    def working(self, work: RoundWork) -> None:
+        self.seen.setdefault(work.round, []).append((work.steps_done, work.steps))
+        super().working(work)
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        ["executor=sequential", "algorithm=fedprox", "drop_last=false", "client_speed=uniform:2,8", "round_deadline=1", "stragglers=partial"],
+        ["executor=parallel", "workers=2"],
+        ["executor=vectorized", "algorithm=moon"],
+    ],
+    ids=["sequential-deadline", "parallel", "vectorized"],
+)
+def test_every_executor_reports_each_local_step_of_the_round(settings):
+    """The steps reported add up to the round's `local_steps`, the planned total ends as
+    the jobs' own (a deadline's cut included), and the count only grows; the parallel
+    executor's workers report theirs through shared memory."""
+    progress = Recorder(2)
+    sim = Simulation(prepare(load_config(None, [*SMALL, *settings])), None, progress)
+    summary = sim.run()
+    assert summary["status"] == "completed"
+    for row in sim.history:
+        seen = progress.seen[row["round"]]
+        done = [d for d, _ in seen]
+        assert done == sorted(done) and done[-1] == row["local_steps"] > 0
+        assert seen[-1][1] == row["local_steps"] and all(d <= total for d, total in seen)
+    if "stragglers=partial" in settings:  # the deadline cut some client's planned steps
+        assert any(row.get("stragglers") for row in sim.history)

@@ -254,6 +254,31 @@ def test_parallel_executor_matches_sequential():
             torch.testing.assert_close(b.buffers["model"][k], a.buffers["model"][k], rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("executor", ["sequential", "parallel", "vectorized"])
+def test_results_leave_out_the_optimiser_state_a_run_does_not_keep(executor):
+    """persist_optimizer_state=false: no result carries the state (a parallel worker
+    would otherwise send Adam's moments of every client through its pipe); the
+    parameters are the same as with it."""
+    from contrafl.engine.parallel import ParallelExecutor
+
+    model = _model()
+    params, buffers = _split(model)
+    results = {}
+    for keep in (True, False):
+        x, y, tf, jobs = _jobs(params, buffers)
+        workload = Workload.single(x, y, tf, FunctionalNet(model), [Stage(supervised)], Adam(0.01), keep_opt_state=keep)
+        make = {
+            "sequential": lambda: SequentialExecutor(workload),
+            "parallel": lambda: ParallelExecutor(workload, workers=2),
+            "vectorized": lambda: VectorizedExecutor(workload, memory_bytes=2**30),
+        }[executor]
+        results[keep] = make().train(jobs)
+    assert all(r.opt_state is not None for r in results[True]) and all(r.opt_state is None for r in results[False])
+    for a, b in zip(results[True], results[False]):
+        for k in a.params["model"]:
+            torch.testing.assert_close(b.params["model"][k], a.params["model"][k], rtol=0, atol=0)
+
+
 def _parallel_with_loss(loss):
     from contrafl.engine.parallel import ParallelExecutor
 

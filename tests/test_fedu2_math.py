@@ -15,7 +15,8 @@ from torch.nn import functional as F
 
 from contrafl.algorithms.eua import (
     _line_min,
-    directions,
+    combine,
+    direction_gram,
     eua_direction,
     sharpen,
     simplex_weights_active_set,
@@ -344,13 +345,43 @@ def random_clients(seed: int, K: int, P: int = 40, shared: float = 0.5):
     return global_vec, clients
 
 
+def directions(global_vec: torch.Tensor, clients: list[torch.Tensor], kind: str) -> torch.Tensor:
+    """The ``[K, P]`` direction matrix as eq 7 (``log_distance``: ``2 delta / |delta|^2``) and
+    the official mtl.py line 85 (``normalized``: ``2 delta / |delta|``) write it, a zero row
+    for ``delta = 0``; the library only ever forms its Gram matrix and combinations."""
+    delta = torch.stack([global_vec - v for v in clients]).to(F64)
+    sq = delta.square().sum(1, keepdim=True)
+    norm = sq if kind == "log_distance" else sq.sqrt()
+    return torch.where(sq > 0, 2 * delta / torch.where(sq > 0, norm, 1.0), 0.0)
+
+
+@pytest.mark.parametrize("kind", ["log_distance", "normalized"])
+def test_the_streamed_gram_and_combination_equal_the_direction_matrix(kind):
+    """Slices of 7 entries over tensors of 3, 20 and 1 (pieces of unequal sizes, a slice
+    boundary inside a tensor) give D D^T and sum_k a_k delta_k of the whole matrix, also
+    with a degenerate client (scale 0), to float64 rounding."""
+    global_vec, clients = random_clients(3, K=5, shared=1.0, P=24)
+    clients.append(global_vec.clone())
+    D = directions(global_vec, clients, kind)
+    pieces = lambda v: [v[:3].view(3, 1), v[3:23].view(4, 5), v[23:]]
+    for g, cs, chunk in [(global_vec, clients, 1 << 20), (pieces(global_vec), [pieces(v) for v in clients], 7)]:
+        G, c = direction_gram(g, cs, kind, chunk)
+        torch.testing.assert_close(G, D @ D.T, rtol=1e-13, atol=0)
+        assert c[-1] == 0 and (c[:-1] > 0).all()
+        a = torch.arange(6, dtype=F64)
+        delta = torch.stack([global_vec - v for v in clients])
+        torch.testing.assert_close(combine(g, cs, a, chunk), a @ delta, rtol=1e-13, atol=1e-15)
+
+
 def test_directions_hand_case_and_degenerate_client():
     global_vec = torch.tensor([1.0, 1.0])
     clients = [torch.tensor([1.0, 3.0]), torch.tensor([1.0, 1.0])]  # delta = (0, -2); identical
-    torch.testing.assert_close(directions(global_vec, clients, "log_distance"),
-                               torch.tensor([[0.0, -1.0], [0.0, 0.0]], dtype=F64))  # 2 delta / |delta|^2
-    torch.testing.assert_close(directions(global_vec, clients, "normalized"),
-                               torch.tensor([[0.0, -2.0], [0.0, 0.0]], dtype=F64))  # 2 delta / |delta|
+    G, c = direction_gram(global_vec, clients, "log_distance")  # g = 2 delta / |delta|^2 = (0, -1)
+    torch.testing.assert_close(G, torch.tensor([[1.0, 0.0], [0.0, 0.0]], dtype=F64))
+    torch.testing.assert_close(c, torch.tensor([0.5, 0.0], dtype=F64))
+    G, c = direction_gram(global_vec, clients, "normalized")  # d = 2 delta / |delta| = (0, -2)
+    torch.testing.assert_close(G, torch.tensor([[4.0, 0.0], [0.0, 0.0]], dtype=F64))
+    torch.testing.assert_close(c, torch.tensor([1.0, 0.0], dtype=F64))
 
 
 @pytest.mark.parametrize("seed", range(5))

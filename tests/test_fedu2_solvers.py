@@ -11,10 +11,10 @@ import pytest
 import torch
 from torch.nn import functional as F
 from test_fedu2 import _algo
-from test_fedu2_math import exact_simplex_qp, random_clients
+from test_fedu2_math import directions, exact_simplex_qp, random_clients
 
 from contrafl.algorithms.base import Batch
-from contrafl.algorithms.eua import directions, eua_direction, simplex_weights_admm
+from contrafl.algorithms.eua import eua_direction, simplex_weights_admm
 from contrafl.algorithms.uniformity import uot_plan, uot_plan_steepest_descent, uot_uniformity
 
 F64 = torch.float64

@@ -459,7 +459,7 @@ class _StopAfter:
     def resume_at(self, rounds_done):
         pass
 
-    def clients(self, *args):
+    def working(self, work):
         pass
 
     def round_done(self, row):

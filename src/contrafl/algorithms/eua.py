@@ -21,16 +21,21 @@ from the sharpened sample-size weights (:func:`sharpen`), and ``d = sum_k p_k d_
 (applied with a fresh SGD, lr ``gmodel_lr`` = 8 in main.py).
 
 Degenerate clients. A client whose vector equals the global one (``u_k = 0``: e.g. it took no
-step) has no direction (``g_k`` is infinite, ``d_k`` is 0/0). Its row of :func:`directions` is
-zero, and :func:`eua_direction` leaves it out of the QP and gives it weight 0; if every client
+step) has no direction (``g_k`` is infinite, ``d_k`` is 0/0). Its scale in :func:`direction_gram`
+is zero, and :func:`eua_direction` leaves it out of the QP and gives it weight 0; if every client
 is degenerate the direction is zero (the global model stays) and all weights are 0.
 
-All computations are in float64; ``[K, P]`` direction matrices take ``8 K P`` bytes.
+All computations are in float64. Every direction is a multiple of its client's update,
+``g_k = c_k delta_k``, so the ``[K, P]`` direction matrix (``8 K P`` bytes: 2.4 GB for ten
+clients of FedU2's ResNet-18 with its target network) is never formed: its Gram matrix
+and the combination ``sum_k a_k delta_k`` are accumulated over slices of :data:`CHUNK`
+parameters (:func:`direction_gram`, :func:`combine`), and the vectors may be given as the
+list of tensors whose flattened concatenation they are, so that nothing is concatenated.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Literal
 
 import torch
@@ -38,6 +43,12 @@ import torch
 DirectionKind = Literal["log_distance", "normalized"]
 
 EUAVariant = Literal["paper", "paper_closed_form", "official"]
+
+Vector = torch.Tensor | Sequence[torch.Tensor]
+"""A parameter vector: flat, or the tensors whose flattened concatenation it is."""
+
+CHUNK = 1 << 18
+"""Parameters per slice of the streamed computations (``K x 2 MiB`` of float64 deltas)."""
 
 MIN_NORM_STOP = 1e-5
 """The official solver's ``STOP_CRIT``: stop when ``sum_k |p_k^new - p_k| < 1e-5``."""
@@ -48,20 +59,60 @@ MIN_NORM_MAX_ITERATIONS = 1000
 stopping rule would not end (measured on K = 3-20: the rule stops after 2-21 steps)."""
 
 
-def directions(global_vec: torch.Tensor, client_vecs: Sequence[torch.Tensor], kind: DirectionKind) -> torch.Tensor:
-    """Per-client directions ``[K, P]`` (float64) from ``delta_k = theta_g - theta_k``:
+def _slices(v: Vector, chunk: int) -> Iterator[torch.Tensor]:
+    """``v``'s entries in order, as 1-D slices of at most ``chunk`` entries (vectors of
+    equal shapes give equal slices)."""
+    for t in [v] if isinstance(v, torch.Tensor) else v:
+        flat = t.detach().reshape(-1)
+        for start in range(0, flat.numel(), chunk):
+            yield flat[start : start + chunk]
+
+
+def _deltas(global_vec: Vector, client_vecs: Sequence[Vector], chunk: int) -> Iterator[torch.Tensor]:
+    """``delta_k = theta_g - theta_k`` of every client, slice by slice: ``[K, n]`` float64."""
+    for g, *clients in zip(_slices(global_vec, chunk), *(_slices(v, chunk) for v in client_vecs)):
+        g = g.to(torch.float64)
+        d = g.new_empty(len(clients), g.numel())
+        for row, v in zip(d, clients):
+            torch.sub(g, v, out=row)
+        yield d
+
+
+def direction_gram(
+    global_vec: Vector, client_vecs: Sequence[Vector], kind: DirectionKind, chunk: int = CHUNK
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Gram matrix ``G_kl = <g_k, g_l>`` ``[K, K]`` of the per-client directions and
+    their scales ``c`` ``[K]`` (float64), ``g_k = c_k delta_k`` with
+    ``delta_k = theta_g - theta_k``:
 
     * ``"log_distance"`` (paper, eq 7): ``g_k = grad log ||delta_k||^2 = 2 delta_k / ||delta_k||^2``;
     * ``"normalized"`` (official mtl.py line 85, ``2*grads/grads.norm(p=2, dim=0)``, i.e. each
       client's column divided by its own norm): ``d_k = 2 delta_k / ||delta_k||``.
 
-    A client with ``delta_k = 0`` gets a zero row (see the module docstring).
+    ``G = diag(c) (sum over slices of Delta Delta^T) diag(c)``. A client with
+    ``delta_k = 0`` has ``c_k = 0`` (a zero direction; see the module docstring).
     """
-    out = torch.stack([v.to(torch.float64) for v in client_vecs])
-    out.neg_().add_(global_vec.to(torch.float64))
-    sq = out.square().sum(1)
+    gram: torch.Tensor | None = None
+    for d in _deltas(global_vec, client_vecs, chunk):
+        gram = d @ d.T if gram is None else gram.addmm_(d, d.T)
+    if gram is None:
+        raise ValueError("EUA needs parameters to aggregate: the vectors are empty")
+    sq = gram.diagonal().clone()
     norm = {"log_distance": sq, "normalized": sq.sqrt()}[kind]
-    return out.mul_((2.0 / torch.where(sq > 0, norm, 1.0)).unsqueeze(1))
+    scale = torch.where(sq > 0, 2.0 / torch.where(sq > 0, norm, 1.0), 0.0)
+    return gram * scale.unsqueeze(1) * scale.unsqueeze(0), scale
+
+
+def combine(global_vec: Vector, client_vecs: Sequence[Vector], a: torch.Tensor, chunk: int = CHUNK) -> torch.Tensor:
+    """``sum_k a_k delta_k`` ``[P]`` (float64), slice by slice."""
+    pieces = [global_vec] if isinstance(global_vec, torch.Tensor) else global_vec
+    out = torch.empty(sum(t.numel() for t in pieces), dtype=torch.float64, device=pieces[0].device)
+    a = a.to(torch.float64)
+    offset = 0
+    for d in _deltas(global_vec, client_vecs, chunk):
+        torch.mv(d.T, a, out=out[offset : offset + d.shape[1]])
+        offset += d.shape[1]
+    return out
 
 
 def _nonnegative_quadratic_minimum(H: torch.Tensor) -> torch.Tensor:
@@ -272,8 +323,8 @@ def sharpen(weights: torch.Tensor, temperature: float) -> torch.Tensor:
 
 
 def eua_direction(
-    global_vec: torch.Tensor,
-    client_vecs: Sequence[torch.Tensor],
+    global_vec: Vector,
+    client_vecs: Sequence[Vector],
     variant: EUAVariant,
     *,
     eta_g: float = 1.0,
@@ -284,34 +335,34 @@ def eua_direction(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """EUA's update direction ``[P]`` and client weights ``[K]`` (float64).
 
-    * ``"paper"``: ``g_k`` = :func:`directions` ``"log_distance"``, ``p`` =
+    * ``"paper"``: ``g_k`` of :func:`direction_gram` ``"log_distance"``, ``p`` =
       :func:`simplex_weights_active_set` (the exact minimiser), ``d* = (eta_g / phi) sum_k p_k g_k``;
     * ``"paper_closed_form"``: the same with ``p`` = :func:`simplex_weights_admm` (``eta_g``,
       ``phi``, ``rho``, ``iterations``: the printed iteration, not the minimiser in general);
-    * ``"official"``: ``d_k`` = :func:`directions` ``"normalized"``, ``p`` =
+    * ``"official"``: ``d_k`` of :func:`direction_gram` ``"normalized"``, ``p`` =
       :func:`simplex_weights_min_norm` from ``init`` (default uniform; official: the
       :func:`sharpen`-ed sample-size weights), renormalised over the non-degenerate clients,
       ``d = sum_k p_k d_k``.
 
     The caller moves the global model by ``theta_g - lr * d``. Degenerate clients (zero distance)
-    are left out with weight 0 (module docstring).
+    are left out with weight 0 (module docstring). Memory: the deltas of :data:`CHUNK`
+    parameters at a time, and the direction.
     """
     kind: DirectionKind = "normalized" if variant == "official" else "log_distance"
-    D = directions(global_vec, client_vecs, kind)
-    active = D.abs().sum(1) > 0
-    weights = torch.zeros(D.shape[0], dtype=torch.float64, device=D.device)
-    if not active.any():
-        return torch.zeros(D.shape[1], dtype=torch.float64, device=D.device), weights
-    Da = D[active]
-    G = Da @ Da.T
+    G, c = direction_gram(global_vec, client_vecs, kind)
+    active = c > 0
+    weights = torch.zeros(G.shape[0], dtype=torch.float64, device=G.device)
+    if not active.any():  # the direction is zero: the global model stays
+        return combine(global_vec, client_vecs, weights), weights
+    Ga = G[active][:, active]
     if variant == "paper":
-        weights[active] = simplex_weights_active_set(G)
+        weights[active] = simplex_weights_active_set(Ga)
         scale = eta_g / phi
     elif variant == "paper_closed_form":
-        weights[active] = simplex_weights_admm(G, eta_g, phi, rho, iterations)
+        weights[active] = simplex_weights_admm(Ga, eta_g, phi, rho, iterations)
         scale = eta_g / phi
     else:
         start = torch.ones_like(weights) if init is None else init.to(weights)
-        weights[active] = simplex_weights_min_norm(G, start[active] / start[active].sum())
+        weights[active] = simplex_weights_min_norm(Ga, start[active] / start[active].sum())
         scale = 1.0
-    return scale * (weights[active] @ Da), weights
+    return combine(global_vec, client_vecs, scale * weights * c), weights

@@ -125,18 +125,18 @@ class FedU2(SelfSupervised):
             buffers = [{k: v for k, v in r.payload[part].items() if k not in names} for r in replies]
             new[part] = weighted_average(buffers, weights) if buffers[0] else {}
         keys = [(part, k) for part in parts for k in sent[part] if k in names]
-        global_vec = torch.cat([sent[part][k].detach().flatten().double() for part, k in keys])
-        client_vecs = [torch.cat([r.payload[part][k].detach().flatten().double() for part, k in keys]) for r in replies]
         p = self.params
-        d, eua_weights = eua_direction(
-            global_vec, client_vecs, p.eua, eta_g=p.eta_g, phi=p.phi, rho=p.rho,
+        d, eua_weights = eua_direction(  # the tensors as they are: EUA streams over them
+            [sent[part][k] for part, k in keys],
+            [[r.payload[part][k] for part, k in keys] for r in replies],
+            p.eua, eta_g=p.eta_g, phi=p.phi, rho=p.rho,
             iterations=p.admm_iterations, init=torch.tensor(weights, dtype=torch.float64),
         )
-        step = global_vec - p.eta * d
         offset = 0
-        for part, k in keys:
+        for part, k in keys:  # theta_g - eta d, tensor by tensor
             ref = sent[part][k]
-            new[part][k] = step[offset : offset + ref.numel()].view_as(ref).to(ref.dtype)
+            step = d[offset : offset + ref.numel()].mul(-p.eta).add_(ref.detach().flatten())
+            new[part][k] = step.view_as(ref).to(ref.dtype)
             offset += ref.numel()
         extras: dict[str, Any] = {**server.extras, "eua_weights": {r.cid: float(w) for r, w in zip(replies, eua_weights)}}
         if "target" in extras:

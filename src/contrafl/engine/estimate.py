@@ -12,10 +12,12 @@ keeps it as ``estimated_time_s``):
   Parallel executor: the same with a worker's threads, each round's clients shared
   among the workers as
   :func:`~contrafl.engine.parallel.balance` shares them, plus the executor's start
-  (forking its workers), measured on one step per worker. Vectorized executor: a
+  (forking its workers), measured on one step per worker (a slow step: one step on
+  each worker alone, their start included). Vectorized executor: a
   chunk of the round's clients and one client alone, :data:`CALIBRATION_STEPS` steps
   each, a step's time interpolated linearly in the number of clients still training.
-* evaluation: the time of one evaluation batch, per sample, times the samples each
+* evaluation: the time of one evaluation batch (of at most :data:`EVAL_SAMPLES`
+  samples), per sample, times the samples each
   evaluation evaluates (the test set, the clients' test data of the personalised
   evaluation, the kNN memory bank and queries).
 
@@ -28,6 +30,7 @@ computes without it.
 
 from __future__ import annotations
 
+import ctypes
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,10 +39,9 @@ from typing import TYPE_CHECKING, TypeVar
 import torch
 from torch.utils import _pytree as pytree
 
-from ..algorithms.base import Phase
 from .executor import Job, SequentialExecutor
 from .parallel import ParallelExecutor, balance
-from .plan import ClientPlan, epoch_batch_sizes
+from .plan import ClientPlan
 from .progress import clock_text
 from ..words import count
 from .vectorized import VectorizedExecutor
@@ -53,6 +55,7 @@ MAX_STEPS = 50
 SHORT_RUN_S = 30.0  # contrafl run prints no estimate for a run that one timed step puts below this
 SLOW_STEP_S = 1.0  # a step this slow (a heavy model on a CPU) is timed once: the calibration takes a few steps' time
 REPEATS = 2  # timings of the same steps, the least kept
+EVAL_SAMPLES = 256  # the most samples of the evaluation batch timed
 T = TypeVar("T")
 
 
@@ -81,18 +84,6 @@ class Estimate:
             f"estimated time: ~{clock_text(self.seconds)} (calibrated on {count(self.calibration_steps, 'local step')}: "
             f"{per_step:.3g} s/step x {self.steps:,} steps + evaluation {clock_text(self.eval_seconds)})"
         )
-
-
-def client_steps(sim: Simulation, cid: int, phases: list[Phase]) -> list[int]:
-    """Client ``cid``'s local steps in each of ``phases`` (from the phases' epochs, not
-    an algorithm's per-client override)."""
-    cfg = sim.cfg
-    n = len(sim.rows[cid])
-    return [
-        (phase.epochs if phase.epochs is not None else cfg.local_epochs)
-        * len(epoch_batch_sizes(n, phase.batch_size or cfg.batch_size, cfg.drop_last))
-        for phase in phases
-    ]
 
 
 def head(plan: ClientPlan, steps: int) -> ClientPlan:
@@ -125,7 +116,7 @@ class Calibration:
         self.executor = sim.round_executor(self.phases)
         self.cuda = sim.device.type == "cuda"
         # the round's clients, most steps first
-        self.cids = sorted(sim.schedule[self.t], key=lambda c: -sum(client_steps(sim, c, self.phases)))
+        self.cids = sorted(sim.schedule[self.t], key=lambda c: -sim.planned_steps(c, self.phases))
         self.train = SequentialExecutor(self.executor.workload).train
         self._first: dict[int, float] = {}  # torch threads -> seconds of the first step
 
@@ -214,28 +205,41 @@ def estimate(
     try:
         return _estimate(Calibration(sim, budget), shortest, say)
     finally:
+        release_freed_memory()
         torch.set_num_threads(threads)
         torch.set_rng_state(cpu_state)
         if cuda_state is not None:
             torch.cuda.set_rng_state(cuda_state, sim.device)
 
 
+def release_freed_memory() -> None:
+    """Give the memory the calibration freed back to the system: glibc keeps freed
+    blocks below its (dynamic) mmap threshold in its heap, and a parallel run's workers,
+    forked next, would carry them (0.5 GB after a step of FedU2's ResNet-18 on an
+    evaluation batch of 1000). Nothing where the C library is not glibc."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (AttributeError, OSError):
+        pass
+
+
 def _estimate(cal: Calibration, shortest: float, say: Callable[[str], object] | None) -> Estimate | None:
     sim = cal.sim
     if not cal.cids or not steps_of(cal.job(cal.cids[0], 1)):  # e.g. Orchestra's first round
         return None
-    per_round = [[sum(client_steps(sim, c, sim.algorithm.phases(t))) for c in sim.schedule[t]] for t in range(sim.cfg.rounds)]
-    if shortest > 0 or say is not None:
-        first = cal.first_step()
-        if first * sum(map(sum, per_round)) < shortest:
-            return None
-        if say is not None and first >= SLOW_STEP_S:
-            more = "one step with a worker's threads and one on each worker, then " if isinstance(cal.executor, ParallelExecutor) else ""
-            say(f"estimating the run's time: a local step takes about {first:.0f}s here; timing {more}an evaluation batch")
+    per_round = [[sim.planned_steps(c, sim.algorithm.phases(t)) for c in sim.schedule[t]] for t in range(sim.cfg.rounds)]
+    first = cal.first_step()
+    if first * sum(map(sum, per_round)) < shortest:
+        return None
+    slow = first >= SLOW_STEP_S
+    parallel = isinstance(cal.executor, ParallelExecutor) and min(cal.executor.workers, len(cal.cids)) > 1
+    if say is not None and slow:
+        more = "one step on each worker, then " if parallel else ""
+        say(f"estimating the run's time: a local step takes about {first:.0f}s here; timing {more}an evaluation batch")
     if isinstance(cal.executor, VectorizedExecutor):
         train_seconds, measured = _vectorized(cal, cal.executor, per_round)
-    elif isinstance(cal.executor, ParallelExecutor) and min(cal.executor.workers, len(cal.cids)) > 1:
-        train_seconds, measured = _parallel(cal, cal.executor, per_round)
+    elif parallel:
+        train_seconds, measured = _parallel(cal, cal.executor, per_round, slow)
     else:
         step, measured = cal.client_step()
         train_seconds = step * sum(map(sum, per_round))
@@ -243,18 +247,22 @@ def _estimate(cal: Calibration, shortest: float, say: Callable[[str], object] | 
     return Estimate(train_seconds + eval_seconds, train_seconds, eval_seconds, sum(map(sum, per_round)), measured)
 
 
-def _parallel(cal: Calibration, executor: ParallelExecutor, per_round: list[list[int]]) -> tuple[float, int]:
+def _parallel(cal: Calibration, executor: ParallelExecutor, per_round: list[list[int]], slow: bool) -> tuple[float, int]:
     """Training seconds of the rounds with client steps ``per_round`` and the steps
     measured. A round costs ``start + step * (the busiest worker's steps)``: ``step``
     is a client's step in this process with a worker's threads, ``start`` what the
     executor takes beyond one step to train one client per worker for one step (its
-    workers start anew in every round)."""
+    workers start anew in every round). A ``slow`` step is measured on the workers
+    alone: one step on each, their start included (small beside it), is ``step``, and
+    ``start`` is 0."""
     torch.set_num_threads(executor.threads)
-    step, measured = cal.client_step()
     jobs = [first_step(cal.job(c, 1)) for c in cal.cids[: executor.workers]]
-    start = max(cal.seconds(executor.train, jobs) - step, 0.0)
     workers = min(executor.workers, len(cal.cids))
     busiest = [max(sum(steps[i] for i in share) for share in balance(steps, min(workers, len(steps)))) for steps in per_round if steps]
+    if slow:
+        return cal.seconds(executor.train, jobs) * sum(busiest), len(jobs)
+    step, measured = cal.client_step()
+    start = max(cal.seconds(executor.train, jobs) - step, 0.0)
     return len(busiest) * start + step * sum(busiest), measured + len(jobs)
 
 
@@ -283,7 +291,7 @@ def _evaluation(cal: Calibration) -> float:
     sim = cal.sim
     cfg, algo = sim.cfg, sim.algorithm
     source = sim.test if len(sim.test.y) else sim.train
-    x = source.x[: min(cfg.eval_batch_size, len(source.y))]
+    x = source.x[: min(cfg.eval_batch_size, EVAL_SAMPLES, len(source.y))]
 
     @torch.no_grad()
     def forward(x: torch.Tensor) -> None:

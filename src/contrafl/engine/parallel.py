@@ -6,8 +6,9 @@ down badly. On the CPU it is faster to train several clients at once, one per wo
 process, each with few threads. Workers are forked when a round's jobs are ready, so they
 inherit the data, the model and the algorithm's loss functions without pickling; each
 trains its share of the jobs with the sequential executor (seeded per job, so a client's
-result does not depend on which worker trains it) and sends the results back. The workers
-leave stop requests (Ctrl-C, SIGTERM, :mod:`~contrafl.engine.signals`) to the parent: it
+result does not depend on which worker trains it) and sends the results back. Each worker
+counts its finished local steps in shared memory, which the parent reads while it waits
+(the progress of a long round). The workers leave stop requests (Ctrl-C, SIGTERM, :mod:`~contrafl.engine.signals`) to the parent: it
 looks for one while it waits for their results, and then kills them.
 """
 
@@ -26,7 +27,7 @@ from torch.utils import _pytree as pytree
 
 from ..algorithms.base import TrainResult
 from ..errors import ContraflError, one_line
-from .executor import Job, SequentialExecutor, Workload
+from .executor import Job, SequentialExecutor, StepsDone, Workload
 from .signals import detach_from_signals, stop_point
 
 POLL_S = 0.1  # how often the parent looks for a stop request while it waits for its workers
@@ -47,21 +48,30 @@ class WorkerError(RuntimeError):
     """A worker process failed: its exception (first line) and traceback."""
 
 
-def _worker(workload: Workload, jobs: list[Job], share: list[int], threads: int, queue) -> None:
+def _worker(workload: Workload, jobs: list[Job], share: list[int], threads: int, queue, steps, w: int) -> None:
+    """Train ``jobs[i]`` for ``i`` in ``share``, each result put on ``queue``, the steps
+    finished counted in ``steps[w]``."""
     detach_from_signals()
+
+    def count(n: int) -> None:
+        steps[w] += n
+
     try:
         torch.set_num_threads(threads)
         executor = SequentialExecutor(workload)
         for i in share:
-            queue.put((i, pack(executor.train([jobs[i]])[0]), None))
+            queue.put((i, pack(executor.train([jobs[i]], count)[0]), None))
     except ContraflError as exc:  # a user error: the parent raises it as it is
         queue.put((None, None, exc))
     except BaseException as exc:  # reported to the parent, which raises it
         queue.put((None, None, f"a worker process failed with {one_line(exc)}\n{traceback.format_exc()}"))
 
 
-def _receive(queue, procs: list, shares: list[list[int]], results: list) -> tuple[int | None, Any, Any]:
-    """The workers' next message from ``queue``. A stop request made meanwhile (see
+def _receive(
+    queue, procs: list, shares: list[list[int]], results: list, poll: Callable[[], None]
+) -> tuple[int | None, Any, Any]:
+    """The workers' next message from ``queue``, ``poll()`` called every :data:`POLL_S`
+    seconds meanwhile. A stop request made meanwhile (see
     :mod:`~contrafl.engine.signals`) raises within :data:`POLL_S` seconds, and so does
     the death of a worker that still owes results (killed, e.g. for memory), which
     would otherwise leave the wait without an end."""
@@ -70,7 +80,7 @@ def _receive(queue, procs: list, shares: list[list[int]], results: list) -> tupl
         try:
             return queue.get(timeout=POLL_S)
         except Empty:
-            pass
+            poll()
         for p, share in zip(procs, shares):
             if p.exitcode not in (None, 0) and any(results[i] is None for i in share):
                 raise WorkerError(
@@ -89,15 +99,25 @@ class ParallelExecutor:
         self.workers = workers
         self.threads = threads
 
-    def train(self, jobs: list[Job]) -> list[TrainResult]:
+    def train(self, jobs: list[Job], on_steps: StepsDone | None = None) -> list[TrainResult]:
         shares = balance([sum(p.steps for p in j.plans) for j in jobs], min(self.workers, len(jobs)))
         if len(shares) <= 1:
-            return SequentialExecutor(self.workload).train(jobs)
+            return SequentialExecutor(self.workload).train(jobs, on_steps)
         ctx = mp.get_context("fork")
         queue = ctx.Queue()
+        steps = ctx.RawArray("q", len(shares))  # each worker's finished steps (one writer each)
+        reported = 0
+
+        def poll() -> None:
+            nonlocal reported
+            done = sum(steps)
+            if on_steps is not None and done > reported:
+                on_steps(done - reported)
+            reported = done
+
         procs = [
-            ctx.Process(target=_worker, args=(self.workload, jobs, s, self.threads, queue), daemon=True)
-            for s in shares
+            ctx.Process(target=_worker, args=(self.workload, jobs, s, self.threads, queue, steps, w), daemon=True)
+            for w, s in enumerate(shares)
         ]
         results: list[TrainResult | None] = [None] * len(jobs)
         threads = torch.get_num_threads()
@@ -109,7 +129,8 @@ class ParallelExecutor:
             # threads that are not scheduled (copying a result's tensors took ~0.2 ms each).
             torch.set_num_threads(1)
             for _ in range(len(jobs)):
-                i, result, error = _receive(queue, procs, shares, results)
+                i, result, error = _receive(queue, procs, shares, results, poll)
+                poll()
                 if isinstance(error, BaseException):
                     raise error
                 if error is not None:
@@ -128,10 +149,12 @@ class ParallelExecutor:
                     p.kill()
         return results  # type: ignore[return-value]
 
-    def run(self, make_job: Callable[[int], Job], cids: Iterable[int]) -> Iterator[tuple[Job, TrainResult]]:
+    def run(
+        self, make_job: Callable[[int], Job], cids: Iterable[int], on_steps: StepsDone | None = None
+    ) -> Iterator[tuple[Job, TrainResult]]:
         """Build every job of the round, then train them in parallel."""
         jobs = [make_job(cid) for cid in cids]
-        yield from zip(jobs, self.train(jobs))
+        yield from zip(jobs, self.train(jobs, on_steps))
 
 
 ALIGN = 16  # bytes; every packed tensor starts at a multiple of this

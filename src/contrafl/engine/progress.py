@@ -1,12 +1,37 @@
-"""Console progress: one line per round with loss, accuracy and ETA, and the clients
-done within a long round."""
+"""Console progress: one line per round with loss, accuracy and ETA, and the local steps
+and clients done within a long round, with an ETA re-made from them."""
 
 from __future__ import annotations
 
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TextIO
+
+LIVE_S = 0.2  # the least time between two updates of a terminal's live line
+
+
+@dataclass
+class RoundWork:
+    """What the current round has done: its clients and, where they train in this
+    process, their local steps (``steps`` planned: known when the round's jobs are
+    made; ``None`` for clients that train elsewhere)."""
+
+    round: int
+    clients: int
+    clients_done: int = 0
+    steps: int | None = None
+    steps_done: int = 0
+
+    def fraction(self) -> float:
+        if self.steps:
+            return min(self.steps_done / self.steps, 1.0)
+        return self.clients_done / max(self.clients, 1)
+
+    def text(self) -> str:
+        steps = f"local steps {self.steps_done}/{self.steps}, " if self.steps else ""
+        return f"{steps}clients {self.clients_done}/{self.clients} done"
 
 
 def clock_text(seconds: float) -> str:
@@ -16,8 +41,10 @@ def clock_text(seconds: float) -> str:
 
 class Progress:
     """Prints a bar per round. On a terminal the current round's line updates live as
-    clients finish; elsewhere (a log file, a suite's output) a round that takes longer
-    than ``every`` seconds gets a line with the clients done every ``every`` seconds.
+    local steps and clients finish; elsewhere (a log file, a suite's output) a round
+    that takes longer than ``every`` seconds gets a line with the steps and clients done
+    every ``every`` seconds. Both carry an ETA re-made from the round's own pace (see
+    :meth:`eta_within`), which corrects a calibration made on a quieter machine.
     ``clock`` gives the time in seconds (a test passes a fake one)."""
 
     def __init__(
@@ -36,7 +63,7 @@ class Progress:
         self.live = self.stream.isatty()
         self.every = every
         self.now = clock
-        self.start = self.round_start = self.noted = clock()
+        self.start = self.round_start = self.noted = self.drawn = clock()
         self.done = 0  # rounds done by this process
         self.before = 0  # rounds done before a resume
 
@@ -55,21 +82,40 @@ class Progress:
         full = int(fraction * self.width)
         return "#" * full + "." * (self.width - full)
 
-    def clients(self, round: int, done: int, total: int) -> None:
-        """Clients finished within the current round: the live line on a terminal, else
-        a line at most every ``every`` seconds (none in a shorter round, nor for the
-        round's last client: the round's own line follows)."""
+    def eta_within(self, work: RoundWork) -> float | None:
+        """Seconds left in the run, from the current round's pace: the round ends when
+        its remaining steps (clients, when its steps are not known) take as long as its
+        done ones did, and each later round takes as long as the rounds done by this
+        process did on average, or as this one, before any. None before any work."""
+        elapsed = self.now() - self.round_start
+        done, total = (work.steps_done, work.steps) if work.steps else (work.clients_done, work.clients)
+        if not done:
+            return None
+        this_round = elapsed * total / done
+        per_round = (self.round_start - self.start) / self.done if self.done else this_round
+        later = self.rounds - self.before - self.done - 1
+        return max(this_round - elapsed, 0.0) + later * per_round
+
+    def working(self, work: RoundWork) -> None:
+        """The current round's progress: the live line on a terminal (at most every
+        :data:`LIVE_S` seconds), else a line at most every ``every`` seconds (none in a
+        shorter round, nor once all its clients are done: the round's own line follows)."""
+        now = self.now()
+        eta = self.eta_within(work)
+        eta_text = "" if eta is None else f" ETA {clock_text(eta)}"
         if self.live:
-            msg = f"\r{self.prefix}round {round:>{len(str(self.rounds))}}/{self.rounds} |{self._bar(done / max(total, 1))}| clients {done}/{total}"
+            if now - self.drawn < LIVE_S and work.clients_done < work.clients:
+                return
+            self.drawn = now
+            msg = f"\r{self.prefix}round {work.round:>{len(str(self.rounds))}}/{self.rounds} |{self._bar(work.fraction())}| {work.text()}{eta_text}"
             self.stream.write(msg.ljust(78))
             self.stream.flush()
             return
-        now = self.now()
-        if done < total and now - max(self.round_start, self.noted) >= self.every:
+        if work.clients_done < work.clients and now - max(self.round_start, self.noted) >= self.every:
             self.noted = now
             self.stream.write(
-                f"{self.prefix}round {round}/{self.rounds}: clients {done}/{total} done, "
-                f"{clock_text(now - self.round_start)} into the round\n"
+                f"{self.prefix}round {work.round}/{self.rounds}: {work.text()}, "
+                f"{clock_text(now - self.round_start)} into the round{eta_text.replace(' ETA', ', ETA')}\n"
             )
             self.stream.flush()
 

@@ -50,9 +50,9 @@ from .comm import add_bytes, payload_bytes
 from .executor import AutocastNet, FunctionalNet, Job, PhaseRun, SequentialExecutor, Workload
 from .optim import make_optimizer
 from .parallel import ParallelExecutor
-from .plan import ClientPlan, make_plan
+from .plan import ClientPlan, epoch_batch_sizes, make_plan
 from .privacy import LEDGER, Privacy, require_accounting
-from .progress import Progress
+from .progress import Progress, RoundWork
 from ..rng import derive_seed, generator
 from ..speeds import client_speeds, round_speed, step_budget
 from .run_dir import CHECKPOINT, RunDir
@@ -375,6 +375,18 @@ class Simulation:
             plans.append(plan.to(self.device))
         return plans
 
+    def planned_steps(self, cid: int, phases: list[Phase]) -> int:
+        """Client ``cid``'s local steps in ``phases`` as the phases' epochs and batch sizes
+        give them (an algorithm's per-client epochs and a deadline can change them when
+        the client's job is made)."""
+        cfg = self.cfg
+        n = len(self.rows[cid])
+        return sum(
+            (phase.epochs if phase.epochs is not None else cfg.local_epochs)
+            * len(epoch_batch_sizes(n, phase.batch_size or cfg.batch_size, cfg.drop_last))
+            for phase in phases
+        )
+
     def round_executor(self, phases: list[Phase]) -> SequentialExecutor | ParallelExecutor | VectorizedExecutor:
         """The run's executor for a round of ``phases``."""
         workload = Workload(
@@ -384,6 +396,7 @@ class Simulation:
             self.net,
             self.phase_runs(phases),
             autocast=self.autocast,
+            keep_opt_state=self.cfg.persist_optimizer_state,
         )
         return make_executor(self.executor_name, workload, self.cfg)
 
@@ -398,16 +411,32 @@ class Simulation:
         return Job(cid, task, self.plans(cid, t, phases, task), seed, entry["optimizer"]), ctx, entry
 
     def train_locally(
-        self, t: int, cids: list[int], message_for: Callable[[int], dict[str, Any]], phases: list[Phase]
+        self,
+        t: int,
+        cids: list[int],
+        message_for: Callable[[int], dict[str, Any]],
+        phases: list[Phase],
+        work: RoundWork | None = None,
     ) -> Iterator[ClientOutcome]:
         """Round ``t``'s local training of clients ``cids`` in this process with the run's
         executor: ``client_begin`` on ``message_for(cid)``, the executor, ``client_end``;
         each client's next state goes to the store. The outcomes come in the order the
         executor finishes the clients. A client that misses ``round_deadline``
         (:meth:`cut_at_deadline`) trains what it finished, or is lost; with ``dp=local``
-        its reply is privatized (:meth:`Privacy.privatize`) before it leaves."""
+        its reply is privatized (:meth:`Privacy.privatize`) before it leaves. ``work``
+        (the round's, when given) counts the planned and finished local steps, and the
+        progress is told as they finish."""
         algo, cfg = self.algorithm, self.cfg
         executor = self.round_executor(phases)
+        planned = {cid: self.planned_steps(cid, phases) for cid in cids}
+        work = work or RoundWork(t + 1, len(cids))
+        work.steps = sum(planned.values())
+
+        def steps_done(n: int) -> None:
+            work.steps_done += n
+            if self.progress is not None:
+                self.progress.working(work)
+
         open_clients: dict[int, tuple[Context, dict[str, Any]]] = {}
         cuts: dict[int, dict[str, Any]] = {}
         messages: dict[int, dict[str, Any]] = {}
@@ -421,9 +450,10 @@ class Simulation:
             cut = self.cut_at_deadline(cid, speeds[cid], job)
             if cut is not None:
                 cuts[cid] = cut
+            work.steps += sum(plan.steps for plan in job.plans) - planned[cid]  # per-client epochs, a deadline's cut
             return job
 
-        for job, result in executor.run(make_job, cids):
+        for job, result in executor.run(make_job, cids, steps_done):
             ctx, entry = open_clients.pop(job.cid)
             message, cut, speed = messages.pop(job.cid), cuts.pop(job.cid, None), speeds.pop(job.cid)
             if cut is not None and not cut["done"]:  # dropped at the deadline: no reply, the state stays
@@ -524,9 +554,16 @@ class Simulation:
         for cid in dropped:
             lost[cid] = f"dropped out (client_dropout={cfg.client_dropout:g})"
         replying = [cid for cid in sampled if cid not in dropped]
-        train = self.transport.train if self.transport is not None else self.train_locally
-        for done, outcome in enumerate(train(t, replying, message_for, phases), start=1):
+        work = RoundWork(t + 1, len(replying))
+        if self.transport is not None:
+            outcomes = self.transport.train(t, replying, message_for, phases)
+        else:
+            outcomes = self.train_locally(t, replying, message_for, phases, work)
+        for done, outcome in enumerate(outcomes, start=1):
             stop_point()  # a stop requested while the last client trained
+            work.clients_done = done
+            if self.progress is not None:
+                self.progress.working(work)
             cid = outcome.cid
             if outcome.time is not None:
                 times.append(outcome.time)
@@ -557,8 +594,6 @@ class Simulation:
                 losses[cid] = outcome.loss
             parts[cid] = outcome.parts
             steps += outcome.steps
-            if self.progress is not None:
-                self.progress.clients(t + 1, done, len(replying))
         replies.sort(key=lambda r: r.cid)
         for cid, reason in norm_outliers(replies, broadcast, cfg.update_outlier_factor, own_messages).items():
             rejected[cid] = self.reject(cid, reason, t)

@@ -46,6 +46,7 @@ from .cuda_graphs import StepGraphs
 from .executor import (
     Job,
     SequentialExecutor,
+    StepsDone,
     Workload,
     draw_noise,
     set_values,
@@ -146,7 +147,9 @@ class VectorizedExecutor:
     def chunk_size(self, job: Job) -> int:
         return max(1, int(self.memory_bytes // max(self.client_bytes(job), 1)))
 
-    def run(self, make_job: Callable[[int], Job], cids: Iterable[int]) -> Iterator[tuple[Job, TrainResult]]:
+    def run(
+        self, make_job: Callable[[int], Job], cids: Iterable[int], on_steps: StepsDone | None = None
+    ) -> Iterator[tuple[Job, TrainResult]]:
         """Build jobs lazily and train them in chunks that fit the memory budget."""
         cids = list(cids)
         if not cids:
@@ -156,15 +159,16 @@ class VectorizedExecutor:
         chunk = [first]
         for cid in cids[1:]:
             if len(chunk) == size:
-                yield from zip(chunk, self.train(chunk))
+                yield from zip(chunk, self.train(chunk, on_steps))
                 chunk = []
             chunk.append(make_job(cid))
-        yield from zip(chunk, self.train(chunk))
+        yield from zip(chunk, self.train(chunk, on_steps))
 
     # -- training -----------------------------------------------------------------
-    def train(self, jobs: list[Job]) -> list[TrainResult]:
+    def train(self, jobs: list[Job], on_steps: StepsDone | None = None) -> list[TrainResult]:
         """Train ``jobs`` phase by phase; in each phase the clients are stacked longest
-        first (by that phase's steps)."""
+        first (by that phase's steps). ``on_steps`` is told the clients of every stacked
+        step (on a GPU, when the step is queued)."""
         w = self.workload
         current = [
             _Progress(job.task.params, job.task.buffers, dict(job.task.frozen), job.opt_state or w.init_opt_states(job.task))
@@ -172,13 +176,17 @@ class VectorizedExecutor:
         ]
         for p, where in enumerate(w.opt_slices()):
             order = sorted(range(len(jobs)), key=lambda i: -jobs[i].plans[p].steps)
-            self._train_phase(p, where, [jobs[i] for i in order], [current[i] for i in order])
+            self._train_phase(p, where, [jobs[i] for i in order], [current[i] for i in order], on_steps)
         return [
-            TrainResult(c.params, c.buffers, c.stats, sum(plan.steps for plan in job.plans), c.opt_states)
+            TrainResult(
+                c.params, c.buffers, c.stats, sum(plan.steps for plan in job.plans), c.opt_states if w.keep_opt_state else None
+            )
             for job, c in zip(jobs, current)
         ]
 
-    def _train_phase(self, p: int, where: slice, jobs: list[Job], current: list["_Progress"]) -> None:
+    def _train_phase(
+        self, p: int, where: slice, jobs: list[Job], current: list["_Progress"], on_steps: StepsDone | None
+    ) -> None:
         """Phase ``p`` for ``jobs`` (sorted by their steps, longest first), updating
         each job's progress in place."""
         w = self.workload
@@ -292,6 +300,8 @@ class VectorizedExecutor:
                 graphs.run(K, S - s, lambda: step(K))
             else:
                 graphs.run(a, steps[a - 1] - s, lambda a=a: step(a))
+            if on_steps is not None:
+                on_steps(a)
             for i in range(a):
                 if s in jobs[i].plans[p].epoch_ends:
                     for name, role in tasks[0].snapshots.items():
