@@ -239,7 +239,7 @@ def test_help_and_list_say_what_each_choice_is(capsys):
     with pytest.raises(SystemExit):
         main(["run", "--help"])
     text = capsys.readouterr().out
-    for setting, choices in [("executor", "auto, sequential, parallel, vectorized"), ("device", "auto, cpu, cuda"), ("optimizer", "sgd, adam")]:
+    for setting, choices in [("executor", "auto, sequential, parallel, vectorized, distributed"), ("device", "auto, cpu, cuda"), ("optimizer", "sgd, adam")]:
         line = next(line for line in text.splitlines() if line.strip().startswith(setting + " "))
         assert f"[choices: {choices}]" in line
     deadline = next(line for line in text.splitlines() if line.strip().startswith("round_deadline "))

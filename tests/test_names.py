@@ -109,7 +109,7 @@ def test_choices_of_component_options_are_normalised():
     [
         (
             "executor=sequental",
-            "executor='sequental' is invalid: expected one of auto, sequential, parallel, vectorized "
+            "executor='sequental' is invalid: expected one of auto, sequential, parallel, vectorized, distributed "
             "(did you mean 'sequential'?); set it with executor=VALUE",
         ),
         ("optimizer=adamw", "(did you mean 'adam'?)"),

@@ -70,7 +70,7 @@ def cmd_run(ns: argparse.Namespace) -> int:
     if ns.out:
         check_output(Path(ns.out), "--out")
 
-    from .engine import estimate
+    from .engine import distributed, estimate
     from .engine.progress import Progress
     from .engine.run_dir import RunDir, default_run_dir
     from .engine.privacy import require_accounting
@@ -78,7 +78,10 @@ def cmd_run(ns: argparse.Namespace) -> int:
     from .engine.simulation import Simulation
 
     check_data_dir(cfg)
+    distributed.bind_device()
     setup = prepare(cfg)
+    if serve_rank(setup):
+        return 0
     cfg = setup.config
     if cfg.dp.name != "none":
         require_accounting()
@@ -113,6 +116,7 @@ def resume_run(ns: argparse.Namespace) -> int:
     """``contrafl run --resume RUN_DIR [KEY=VALUE...]``: continue from the last checkpoint;
     with ``rounds=N`` above the run's rounds, extend the run (completed or stopped) to N."""
     from .config import EXECUTION_SETTINGS
+    from .engine import distributed
     from .engine.progress import Progress
     from .engine.run_dir import RunDir, read_summary
     from .engine.setup import prepare
@@ -150,7 +154,10 @@ def resume_run(ns: argparse.Namespace) -> int:
             f"{run_dir.path} was written by an older contrafl without resumable checkpoints; "
             "start a new run with its config.yaml"
         )
+    distributed.bind_device()
     setup = prepare(cfg)
+    if serve_rank(setup):
+        return 0
     sim = resume(setup, run_dir, None if ns.quiet else Progress(setup.config.rounds, sys.stdout))
     sim.estimated_time_s = None if extending else summary.get("estimated_time_s")  # made before round 1
     if not ns.quiet:
@@ -161,6 +168,18 @@ def resume_run(ns: argparse.Namespace) -> int:
     if extension is not None and not extension["equal_to_fresh_run"]:
         _warn([f"the run extended from {extension['from']} to {extension['to']} rounds differs from a run started with rounds={extension['to']}: {extension['why']}"])
     return run_simulation(sim, ns.quiet)
+
+
+def serve_rank(setup) -> bool:
+    """Under torchrun, a rank other than 0 serves the run of rank 0 (which writes the run
+    directory and prints) and says so: True once it has served it."""
+    from .engine import distributed
+
+    env = distributed.launched()
+    if env is None or env[0] == 0:
+        return False
+    distributed.serve_launched(setup)
+    return True
 
 
 def run_simulation(sim, quiet: bool) -> int:
@@ -514,16 +533,17 @@ def cmd_compare(ns: argparse.Namespace) -> int:
 
 
 def cmd_sweep(ns: argparse.Namespace) -> int:
-    from .experiments.sweep import format_table, interrupted_line, load_sweep, run_sweep
+    from .experiments.sweep import format_table, interrupted_line, load_sweep, parse_shard, run_sweep
 
     sweep = load_sweep(Path(ns.file))
     if ns.seeds:
         sweep.seeds = _seeds(ns.seeds)
     if ns.workers is not None and ns.workers < 1:
         raise ContraflError(f"--workers {ns.workers} is invalid: expected a number of processes >= 1")
+    shard = parse_shard(ns.shard) if ns.shard is not None else None
     out = check_output(Path(ns.out) if ns.out else Path("runs") / "sweeps" / Path(ns.file).stem, "--out")
     try:
-        results = run_sweep(sweep, out, ns.overrides, ns.workers, sys.stdout, dry_run=ns.dry_run)
+        results = run_sweep(sweep, out, ns.overrides, ns.workers, sys.stdout, dry_run=ns.dry_run, shard=shard)
     except KeyboardInterrupt as exc:
         line, code = interrupted_line(exc)
         print("\n" + line, file=sys.stderr)
@@ -531,6 +551,8 @@ def cmd_sweep(ns: argparse.Namespace) -> int:
     if ns.dry_run:
         return 0
     print(format_table(sweep, results))
+    if shard:
+        print(f"share {ns.shard.strip()} done; the table has the runs of every share in {out} so far")
     print(f"table: {out / 'results.md'}; report: contrafl report {out} --html {out / 'report.html'}")
     if results["failed"]:
         print(f"contrafl: {len(results['failed'])} runs failed: {', '.join(results['failed'])} (see above)", file=sys.stderr)
@@ -746,10 +768,12 @@ def build_parser() -> argparse.ArgumentParser:
         description=textwrap.dedent(
             """\
             Run every combination of the settings in a sweep file's grid, each with every seed,
-            in --workers processes; finished runs are reused and stopped ones resume, so the
-            same command continues an interrupted sweep (Ctrl-C stops it with one line). E.g.
+            in --workers processes (on GPUs: one per GPU, each with its own); finished runs are
+            reused and stopped ones resume, so the same command continues an interrupted sweep
+            (Ctrl-C stops it with one line). E.g.
               contrafl sweep sweep.yaml --workers 2
               contrafl sweep sweep.yaml rounds=10 --seeds 3 --out runs/beta-sweep
+              contrafl sweep sweep.yaml --out runs/beta-sweep --shard ${SLURM_ARRAY_TASK_ID}/4
             with sweep.yaml:
               base: {dataset: digits, rounds: 3}
               grid: {algorithm: [fedavg, moon], partition.beta: [0.1, 0.5], moon.mu: [1, 5]}
@@ -763,10 +787,15 @@ def build_parser() -> argparse.ArgumentParser:
     swp.add_argument("file", metavar="SWEEP.yaml", help="sweep file: base, grid, seeds")
     swp.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="settings applied to every run (after the grid's)")
     swp.add_argument("--workers", type=int, metavar="N",
-                     help="runs at a time, each a process on its share of the cores (default: one per CPU core; 1 on a GPU)")
+                     help="runs at a time, each a process on its share of the cores (default: one per CPU core; for runs "
+                          "on CUDA, one per visible GPU, each process given its own GPU by CUDA_VISIBLE_DEVICES)")
     swp.add_argument("--out", metavar="DIR", help="output directory (default: runs/sweeps/<file name>)")
     swp.add_argument("--seeds", help="number of seeds (3) or list (0,1,2; one seed: 4,); default: the file's")
     swp.add_argument("--dry-run", action="store_true", help="list the runs and what is done already; run nothing")
+    swp.add_argument("--shard", metavar="I/N",
+                     help="run only the I-th of N disjoint shares of the runs (every N-th run from the I-th), e.g. "
+                          "--shard ${SLURM_ARRAY_TASK_ID}/4 in a job array; the shares may write one --out, whose table "
+                          "has the runs of all of them")
     swp.set_defaults(func=cmd_sweep, settings_dest="overrides")
 
     ev = sub.add_parser(

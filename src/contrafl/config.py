@@ -145,8 +145,14 @@ class Config:
     persist_optimizer_state: bool = P.param(False, None, "keep each client's optimiser state across rounds")
     server_lr: float = P.param(1.0, _pos, "server learning rate on the aggregate")
     server_momentum: float | None = P.param(None, P.Interval(0, 1, "left"), "server momentum beta (FedAvgM; auto: the algorithm's)")
-    executor: str = P.param("auto", P.OneOf(("auto", "sequential", "parallel", "vectorized")), "how clients are trained")
-    workers: int | None = P.param(None, P.Interval(1, None), "worker processes of the parallel executor (auto: the CPU cores)")
+    executor: str = P.param(
+        "auto", P.OneOf(("auto", "sequential", "parallel", "vectorized", "distributed")),
+        "how clients are trained (distributed: persistent processes on torch.distributed, docs/distributed.md)",
+    )
+    workers: int | None = P.param(
+        None, P.Interval(1, None),
+        "processes of the parallel executor, or ranks of the distributed one, the server's included (auto: the CPU cores)",
+    )
     device: str = P.param("auto", P.OneOf(("auto", "cpu", "cuda")), "where training runs")
     precision: str = P.param(
         "fp32", P.OneOf(("fp32", "bf16", "auto")),

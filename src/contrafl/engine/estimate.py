@@ -16,6 +16,9 @@ keeps it as ``estimated_time_s``):
   each worker alone, their start included). Vectorized executor: a
   chunk of the round's clients and one client alone, :data:`CALIBRATION_STEPS` steps
   each, a step's time interpolated linearly in the number of clients still training.
+  Distributed executor: one client's steps with a rank's threads, each round's clients
+  shared among the ranks as the parallel executor's among its workers (the ranks start
+  once, with the run).
 * evaluation: the time of one evaluation batch (of at most :data:`EVAL_SAMPLES`
   samples), per sample, times the samples each
   evaluation evaluates (the test set, the clients' test data of the personalised
@@ -39,6 +42,8 @@ from typing import TYPE_CHECKING, TypeVar
 import torch
 from torch.utils import _pytree as pytree
 
+from ..cores import cpu_cores
+from .distributed import launched
 from .executor import Job, SequentialExecutor
 from .parallel import ParallelExecutor, balance
 from .plan import ClientPlan
@@ -240,6 +245,8 @@ def _estimate(cal: Calibration, shortest: float, say: Callable[[str], object] | 
         train_seconds, measured = _vectorized(cal, cal.executor, per_round)
     elif parallel:
         train_seconds, measured = _parallel(cal, cal.executor, per_round, slow)
+    elif sim.executor_name == "distributed" and sim.cfg.workers > 1:
+        train_seconds, measured = _distributed(cal, sim.cfg.workers, per_round)
     else:
         step, measured = cal.client_step()
         train_seconds = step * sum(map(sum, per_round))
@@ -257,13 +264,29 @@ def _parallel(cal: Calibration, executor: ParallelExecutor, per_round: list[list
     ``start`` is 0."""
     torch.set_num_threads(executor.threads)
     jobs = [first_step(cal.job(c, 1)) for c in cal.cids[: executor.workers]]
-    workers = min(executor.workers, len(cal.cids))
-    busiest = [max(sum(steps[i] for i in share) for share in balance(steps, min(workers, len(steps)))) for steps in per_round if steps]
+    busiest = _busiest(per_round, min(executor.workers, len(cal.cids)))
     if slow:
         return cal.seconds(executor.train, jobs) * sum(busiest), len(jobs)
     step, measured = cal.client_step()
     start = max(cal.seconds(executor.train, jobs) - step, 0.0)
     return len(busiest) * start + step * sum(busiest), measured + len(jobs)
+
+
+def _distributed(cal: Calibration, world: int, per_round: list[list[int]]) -> tuple[float, int]:
+    """Training seconds of the rounds with client steps ``per_round`` on ``world`` ranks
+    and the steps measured: a client's step with a rank's threads (``cores // world``
+    where contrafl starts the ranks, torchrun's own otherwise) times the busiest rank's
+    steps of every round (the ranks start once, with the run)."""
+    if launched() is None:
+        torch.set_num_threads(max(1, cpu_cores() // world))
+    step, measured = cal.client_step()
+    return step * sum(_busiest(per_round, world)), measured
+
+
+def _busiest(per_round: list[list[int]], workers: int) -> list[int]:
+    """The steps of each round's busiest worker, its clients shared among ``workers``
+    as :func:`~contrafl.engine.parallel.balance` shares them."""
+    return [max(sum(steps[i] for i in share) for share in balance(steps, min(workers, len(steps)))) for steps in per_round if steps]
 
 
 def _vectorized(cal: Calibration, executor: VectorizedExecutor, per_round: list[list[int]]) -> tuple[float, int]:

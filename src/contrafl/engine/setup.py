@@ -33,6 +33,7 @@ from ..models.custom import from_user, vectorizable
 from ..models.registry import model_spec as lookup_model, split_options
 from ..models.base import FedModel
 from ..rng import derive_seed
+from .distributed import launched
 from .privacy import MODES, DPParams
 
 
@@ -222,7 +223,10 @@ def resolve(cfg: Config) -> Config:
         server_test=str(Path(cfg.server_test).expanduser().resolve()) if cfg.server_test else None,
     )
     executor = choose_executor(cfg, algo_cls, device)
-    workers = (cfg.workers or cpu_cores()) if executor == "parallel" else 1
+    if executor == "distributed" and launched() is not None:  # the ranks torchrun started
+        workers = launched()[1]
+    else:
+        workers = (cfg.workers or cpu_cores()) if executor in ("parallel", "distributed") else 1
     return dataclasses.replace(cfg, executor=executor, workers=workers)
 
 
@@ -306,7 +310,7 @@ def resolve_augment(name: str, spec: DatasetSpec, algo_cls: type[Algorithm]) -> 
 
 
 def choose_executor(cfg: Config, algo_cls: type[Algorithm], device: torch.device) -> str:
-    """The executor for ``executor=auto``.
+    """The executor for ``executor=auto`` (``distributed`` under ``torchrun``).
 
     On CUDA: the vectorized executor for algorithms that support it with equal batch
     sizes (``drop_last``). On a multi-core CPU, when a round trains at least two clients:
@@ -321,6 +325,13 @@ def choose_executor(cfg: Config, algo_cls: type[Algorithm], device: torch.device
         raise ConfigError(f"executor=vectorized is not possible: {why}; use executor=sequential or executor=auto")
     if cfg.executor == "parallel" and device.type != "cpu":
         raise ConfigError("executor=parallel trains on the CPU; use executor=vectorized or auto with device=cuda")
+    if launched() is not None:  # one of several processes of torchrun
+        if cfg.executor not in ("auto", "distributed"):
+            raise ConfigError(
+                f"executor={cfg.executor} under torchrun, which starts the ranks of executor=distributed; "
+                "set executor=distributed (or auto), or run contrafl without torchrun"
+            )
+        return "distributed"
     if cfg.executor != "auto":
         return cfg.executor
     if device.type == "cuda":

@@ -47,6 +47,8 @@ from ..models.base import ModelOutput
 from .checkpoint import CHECKPOINT_FORMAT, check_checkpoint, check_client_state, client_files, is_whole, load_safe, save_atomic
 from .client_store import ClientStore
 from .comm import add_bytes, payload_bytes
+from . import distributed
+from .distributed import DistributedTransport
 from .executor import AutocastNet, FunctionalNet, Job, PhaseRun, SequentialExecutor, Workload
 from .optim import make_optimizer
 from .parallel import ParallelExecutor
@@ -252,8 +254,11 @@ class Simulation:
                 run_dir.write_text("label_counts.json", json.dumps(counts))
         status, error = "running", None
         tracking: Tracking | None = None
+        ranks: DistributedTransport | None = None  # the distributed executor's, started for this call
         try:
             with interrupts():
+                if self.executor_name == "distributed" and self.transport is None:
+                    self.transport = ranks = distributed.start(self)
                 if run_dir is not None:
                     run_dir.write_json("summary.json", self.summary("running", time.perf_counter() - start))
                     tracking = open_tracking(cfg.tracking, cfg.tracking_uri, run_dir.path)
@@ -286,6 +291,9 @@ class Simulation:
                 run_dir.write_text("error.txt", traceback.format_exc())
             raise
         finally:
+            if ranks is not None:
+                ranks.close()
+                self.transport = None
             summary = self.summary(status, time.perf_counter() - start, error)
             if run_dir is not None:
                 run_dir.write_json("summary.json", summary)

@@ -20,8 +20,15 @@ algorithm and is left out of the others, so the grid above has 2 x 2 FedAvg cell
 A sweep is run as a suite (:mod:`contrafl.experiments.suite`) whose methods are its cells: each
 run goes to ``OUT/<cell>/seed<k>/``, a finished run with the same settings is reused and a
 stopped one resumes from its checkpoint. Runs go to ``workers`` processes of ``contrafl
-run``, each on its share of the CPU cores; ``OUT/sweep.json`` records the sweep and
+run``, each on its share of the CPU cores and, for runs on CUDA, a GPU of its own (one
+process per visible GPU by default); ``OUT/sweep.json`` records the sweep and
 ``OUT/results.md`` its table.
+
+``--shard I/N`` runs the I-th of N disjoint shares of the runs (every N-th run, from the
+I-th, in the sweep's order), so that the N jobs of a cluster's job array run one sweep,
+into one output directory or several: each share inspects, runs and resumes its own runs
+only, records itself in ``OUT/sweep-shard-I-of-N.json``, and the table covers the runs of
+every share found in ``OUT`` (those of no share yet are ``not started``).
 """
 
 from __future__ import annotations
@@ -29,6 +36,9 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import os
+import platform
+import re
 import shutil
 import signal
 import subprocess
@@ -37,7 +47,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, TextIO, TypeVar
 
 import yaml
 
@@ -53,6 +63,9 @@ from .report import METRICS, Metric, _format, count_states, pm, read_run, run_me
 from .suite import Cell, Suite, _inspect, _paths_from, _slug, resolved_configs, run_path
 
 SWEEP_RECORD = "sweep.json"  # the sweep, its overrides and cells, in its output directory
+SHARD_RECORD = "sweep-shard-{i}-of-{n}.json"  # what share I of N ran, beside it
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -169,13 +182,49 @@ def load_sweep(path: Path) -> Sweep:
     )
 
 
-def default_workers(configs: Sequence[Any]) -> int:
+def parse_shard(text: str) -> tuple[int, int]:
+    """``(I, N)`` of ``--shard I/N``: the I-th (from 1) of N shares of a sweep's runs."""
+    found = re.fullmatch(r"\s*([0-9]+)\s*/\s*([0-9]+)\s*", text)
+    if found and 1 <= int(found[1]) <= int(found[2]):
+        return int(found[1]), int(found[2])
+    raise ConfigError(f"--shard {text or repr(text)} is invalid: expected I/N with 1 <= I <= N, e.g. --shard 2/4 (the second of 4 shares)")
+
+
+def in_shard(items: Sequence[T], shard: tuple[int, int] | None) -> list[T]:
+    """The items of share ``(I, N)``: every N-th, from the I-th (all of them without a
+    shard). The N shares are disjoint and cover the items; they depend on the items'
+    order alone, so every job of an array computes the same shares."""
+    if shard is None:
+        return list(items)
+    i, n = shard
+    return list(items[i - 1 :: n])
+
+
+def visible_gpus() -> list[str]:
+    """The GPUs this process may use, named as ``CUDA_VISIBLE_DEVICES`` names them: the
+    entries of its own ``CUDA_VISIBLE_DEVICES`` (indices, UUIDs or MIG ids) when set,
+    else ``0``, ``1``, ...; as many as PyTorch sees."""
+    import torch
+
+    seen = torch.cuda.device_count()
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    names = [n.strip() for n in listed.split(",")] if listed is not None else [str(k) for k in range(seen)]
+    return names[:seen]
+
+
+def sweep_gpus(configs: Sequence[Any]) -> list[str]:
+    """The GPUs a sweep's runs are spread over, a run at a time on each: the visible ones
+    when a run trains on CUDA (``device=cuda``, or ``auto`` with a GPU), none on the CPU."""
+    return visible_gpus() if any(c.device == "cuda" for c in configs) else []
+
+
+def default_workers(configs: Sequence[Any], gpus: Sequence[str] = ()) -> int:
     """Processes for a sweep when not given: one per CPU core (a run of the small models
-    of a sweep uses one core well), one in all for runs on a GPU."""
+    of a sweep uses one core well), one per GPU (``gpus``) for runs on CUDA."""
     from ..engine.setup import cpu_cores
 
     if any(c.device == "cuda" for c in configs):
-        return 1
+        return max(1, len(gpus))
     return cpu_cores()
 
 
@@ -186,6 +235,7 @@ class _Job:
     log: Path
     start: float
     slot: int
+    gpu: str | None = None
 
 
 def run_sweep(
@@ -195,12 +245,16 @@ def run_sweep(
     workers: int | None = None,
     stream: TextIO | None = None,
     dry_run: bool = False,
+    shard: tuple[int, int] | None = None,
 ) -> dict[str, Any]:
     """Run (or resume) every cell x seed of ``sweep`` into ``out`` with ``workers``
-    processes; its results (:func:`collect`), also written to ``out``.
+    processes (the runs of share ``shard = (I, N)`` only: :func:`in_shard`); the results
+    of every run in ``out`` (:func:`collect`), also written to ``out``.
 
     Each run is a ``contrafl run`` process (``--resume`` for a stopped one) pinned to its
-    share of the CPU cores, its output in ``out/logs/``. A failed run is reported and the
+    share of the CPU cores, with a GPU of its own for runs on CUDA (``CUDA_VISIBLE_DEVICES``
+    set to one of :func:`sweep_gpus`, given back when the run ends; ``workers`` defaults
+    to one per GPU), its output in ``out/logs/``. A failed run is reported and the
     others go on. On SIGINT, SIGTERM or SIGHUP every running run is asked to stop at its
     next safe point (it keeps its checkpoint) and :class:`~contrafl.engine.signals.
     Interrupted` is raised with ``summary`` (what is done, stopped and left) as an
@@ -215,28 +269,34 @@ def run_sweep(
             raise ConfigError(f"seed={value} is set for each run by the sweep's seeds; choose them with --seeds")
     configs = resolved_configs(suite, overrides)  # every cell checked before the first run
     cells = [Cell(m, s, configs[m, s], run_path(out, m, s)) for m in suite.methods for s in suite.seeds]
+    mine = in_shard(cells, shard)  # the runs this call inspects, runs and resumes
     # how each run executes is chosen by its own process, on its share of the cores
-    where = {(c.method, c.seed): _execution(suite.config(c.method, c.seed, overrides)) for c in cells}
-    for cell in cells:
+    where = {(c.method, c.seed): _execution(suite.config(c.method, c.seed, overrides)) for c in mine}
+    for cell in mine:
         check_data_dir(cell.config)
-    stream.write(f"{sweep.name}: {count(len(suite.methods), 'cell')} x {count(len(suite.seeds), 'seed')} = {count(len(cells), 'run')} -> {out}\n")
+    part = f", share {shard[0]}/{shard[1]}: {count(len(mine), 'run') if mine else 'no runs'}" if shard else ""
+    stream.write(f"{sweep.name}: {count(len(suite.methods), 'cell')} x {count(len(suite.seeds), 'seed')} = {count(len(cells), 'run')}{part} -> {out}\n")
     if dry_run:
-        for cell in cells:
+        for cell in mine:
             stream.write(f"  {cell.method} seed {cell.seed}: {_planned(cell)} -> {cell.path}\n")
         return {}
-    for cell in cells:
+    for cell in mine:
         _inspect(cell, lambda line: stream.write(line + "\n"))
-    queue = [c for c in cells if c.state != "done"]
+    queue = [c for c in mine if c.state != "done"]
+    gpus = sweep_gpus([c.config for c in mine])
     cores = cpu_cores()
-    workers = max(1, min(workers or default_workers([c.config for c in cells]), len(queue) or 1))
+    workers = max(1, min(workers or default_workers([c.config for c in mine], gpus), len(queue) or 1))
     share = max(1, cores // workers)
-    reused = f"{len(cells) - len(queue)} done before, reused; " if len(queue) < len(cells) else ""
+    reused = f"{len(mine) - len(queue)} done before, reused; " if len(queue) < len(mine) else ""
     stream.write(
-        f"{reused}{len(queue)} to run, {workers} at a time ({share} core{'s' if share > 1 else ''} each)\n" if queue
-        else f"all {len(cells)} runs done before, reused\n"
+        f"{reused}{len(queue)} to run, {workers} at a time ({_each(share, workers, gpus)})\n" if queue
+        else f"all {len(mine)} runs done before, reused\n" if mine
+        else f"nothing to run: the sweep has only {count(len(cells), 'run')} for {shard[1]} shares\n"  # type: ignore[index]
     )
     _record(sweep, out, overrides)
-    board = _Board(cells, stream)
+    if shard:
+        _record_shard(sweep, out, overrides, shard, mine, stream)
+    board = _Board(mine, stream)
     running: list[_Job] = []
     failed: list[str] = []
     try:
@@ -245,8 +305,9 @@ def run_sweep(
                 stop_point()
                 free = sorted(set(range(workers)) - {j.slot for j in running})
                 while queue and free:
-                    cell = queue.pop(0)
-                    running.append(_start(cell, where[cell.method, cell.seed], out, free.pop(0), share, cores))
+                    cell, slot = queue.pop(0), free.pop(0)
+                    gpu = gpus[slot % len(gpus)] if gpus else None  # the slot's GPU, free again when its run ends
+                    running.append(_start(cell, where[cell.method, cell.seed], out, slot, share, cores, gpu))
                 for job in [j for j in running if j.process.poll() is not None]:
                     running.remove(job)
                     board.finished(job, failed)
@@ -256,13 +317,27 @@ def run_sweep(
         _stop(running, getattr(exc, "signum", signal.SIGINT))
         for job in running:
             board.finished(job, failed, stopping=True)
-        exc.summary = board.interrupted_summary(cells)  # type: ignore[attr-defined]
+        exc.summary = board.interrupted_summary(mine)  # type: ignore[attr-defined]
         raise
-    results = collect(sweep, suite, out, cells)
+    results = collect(sweep, suite, out, cells)  # every share's runs found in out
     results["failed"] = failed
-    (out / "results.json").write_text(to_json(results, indent=2) + "\n")
-    (out / "results.md").write_text(format_table(sweep, results) + "\n")
+    if shard:
+        results["shard"] = f"{shard[0]}/{shard[1]}"
+        _record_shard(sweep, out, overrides, shard, mine, failed=failed)
+    _write(out / "results.json", to_json(results, indent=2) + "\n")
+    _write(out / "results.md", format_table(sweep, results) + "\n")
     return results
+
+
+def _each(share: int, workers: int, gpus: Sequence[str]) -> str:
+    """What each of ``workers`` processes runs on: its cores, and its GPU if any."""
+    cores = f"{share} core{'s' if share > 1 else ''} each"
+    if not gpus:
+        return cores
+    used = list(dict.fromkeys(gpus[s % len(gpus)] for s in range(workers)))
+    per = -(-workers // len(gpus))
+    shared = "" if per == 1 else f", {'up to ' if workers % len(gpus) else ''}{per} runs a GPU"
+    return f"{cores}; CUDA_VISIBLE_DEVICES {', '.join(used)}{shared}"
 
 
 def _planned(cell: Cell) -> str:
@@ -282,9 +357,64 @@ def _planned(cell: Cell) -> str:
 
 
 def _record(sweep: Sweep, out: Path, overrides: Sequence[str]) -> None:
+    """``out/sweep.json``: the sweep and its overrides (the same for every share of one
+    command, so that shares writing it at once agree)."""
     out.mkdir(parents=True, exist_ok=True)
     record = {"sweep": asdict(sweep), "overrides": list(overrides), "cells": {n: [list(p) for p in ps] for n, ps in sweep.cells().items()}}
-    (out / SWEEP_RECORD).write_text(json.dumps(record, indent=2, default=str) + "\n")
+    _write(out / SWEEP_RECORD, json.dumps(record, indent=2, default=str) + "\n")
+
+
+def _record_shard(
+    sweep: Sweep,
+    out: Path,
+    overrides: Sequence[str],
+    shard: tuple[int, int],
+    mine: Sequence[Cell],
+    stream: TextIO | None = None,
+    failed: Sequence[str] | None = None,
+) -> None:
+    """``out/sweep-shard-I-of-N.json``: what share ``shard`` runs, where and when (its
+    own file: no other share writes it); at the end (``failed`` given) its failed runs.
+    On ``stream``, a warning per other share recorded in ``out`` with another sweep or
+    other settings (its runs would not count in this share's table)."""
+    path = out / SHARD_RECORD.format(i=shard[0], n=shard[1])
+    record = {
+        "shard": f"{shard[0]}/{shard[1]}",
+        "sweep": asdict(sweep),
+        "overrides": list(overrides),
+        "runs": [f"{c.method} seed {c.seed}" for c in mine],
+        "host": platform.node(),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    if failed is not None:
+        try:
+            record["started"] = json.loads(path.read_text()).get("started", record["started"])
+        except (OSError, ValueError):
+            pass
+        record.update(finished=time.strftime("%Y-%m-%dT%H:%M:%S%z"), failed=list(failed))
+    if stream is not None:
+        wanted = json.loads(json.dumps([record["sweep"], record["overrides"]], default=str))
+        for other in sorted(out.glob(SHARD_RECORD.format(i="*", n="*"))):
+            try:
+                theirs = json.loads(other.read_text())
+            except (OSError, ValueError):
+                continue
+            if other != path and [theirs.get("sweep"), theirs.get("overrides")] != wanted:
+                stream.write(
+                    f"warning: share {theirs.get('shard', '?')} ({other}) ran another sweep or other settings "
+                    f"(KEY=VALUE {' '.join(theirs.get('overrides') or []) or 'none'}); run every share with the same "
+                    "command, or the runs of the others show as 'other settings' in the table\n"
+                )
+    _write(path, json.dumps(record, indent=2, default=str) + "\n")
+
+
+def _write(path: Path, text: str) -> None:
+    """Replace ``path`` with ``text`` at once (a temporary file named by this host and
+    process, renamed over it): shares of a sweep writing the same file at the same time,
+    on one machine or several, and their readers never see a torn one."""
+    tmp = path.with_name(f".{path.name}.{platform.node()}-{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 def _execution(requested: Config) -> dict[str, Any]:
@@ -293,9 +423,10 @@ def _execution(requested: Config) -> dict[str, Any]:
     return {"executor": requested.executor, "workers": requested.workers}
 
 
-def _start(cell: Cell, execution: dict[str, Any], out: Path, slot: int, share: int, cores: int) -> _Job:
-    """A ``contrafl run`` process for ``cell`` on cores ``[slot * share, (slot + 1) * share)``,
-    in its own session (a terminal's Ctrl-C reaches the sweep, which stops its runs once)."""
+def _start(cell: Cell, execution: dict[str, Any], out: Path, slot: int, share: int, cores: int, gpu: str | None = None) -> _Job:
+    """A ``contrafl run`` process for ``cell`` on cores ``[slot * share, (slot + 1) * share)``
+    and GPU ``gpu`` alone (its ``CUDA_VISIBLE_DEVICES``; the parent's environment without
+    one), in its own session (a terminal's Ctrl-C reaches the sweep, which stops its runs once)."""
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     log = logs / f"{_slug(cell.method)}-seed{cell.seed}.log"
@@ -313,11 +444,17 @@ def _start(cell: Cell, execution: dict[str, Any], out: Path, slot: int, share: i
         "from contrafl.cli import main\n"
         "sys.exit(main(sys.argv[1:]))"
     )
+    env = None if gpu is None else {**os.environ, "CUDA_VISIBLE_DEVICES": gpu}
     with log.open("a") as f:
-        f.write(f"$ contrafl {' '.join(args)}  (cores {pinned})\n")
+        f.write(f"$ contrafl {' '.join(args)}  (cores {pinned}{'' if gpu is None else ', CUDA_VISIBLE_DEVICES=' + gpu})\n")
         f.flush()
-        process = subprocess.Popen([sys.executable, "-c", boot, *args], stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
-    return _Job(cell, process, log, time.perf_counter(), slot)
+        process = _spawn([sys.executable, "-c", boot, *args], f, env)
+    return _Job(cell, process, log, time.perf_counter(), slot, gpu)
+
+
+def _spawn(argv: list[str], log: TextIO, env: dict[str, str] | None) -> subprocess.Popen:
+    """Start a run's process, its output to ``log``, in its own session."""
+    return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
 
 
 def _stop(running: list[_Job], signum: int) -> None:

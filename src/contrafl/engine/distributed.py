@@ -1,0 +1,299 @@
+"""The distributed executor: persistent worker processes on ``torch.distributed``.
+
+A run with ``executor=distributed`` has ``W`` processes (ranks). Rank 0 is the server:
+it runs the round loop, aggregates, evaluates, writes the run directory and its
+checkpoints, and trains a share of every round's clients itself. Ranks ``1 .. W-1``
+are workers that live for the whole run and keep the data, the model and the
+algorithm (no process is started per round, nothing is pickled but messages and
+replies). Each round rank 0
+
+1. splits the sampled clients into ``W`` shares balanced by their planned local steps,
+   keeping a client on the worker that holds its newest state where the balance
+   allows (:func:`assign`);
+2. sends each worker one packet: its clients' messages (a message shared by several
+   clients, the broadcast, travels once per worker) and the states of those of its
+   clients whose newest state it does not hold;
+3. trains its own share, and receives each worker's outcomes (the replies, the loss,
+   the steps) with its clients' next states.
+
+Rank 0 keeps every client's newest state (its store is the one the checkpoints save),
+so a client can train on any rank, its state moving exactly, and a resumed run starts
+its workers empty. A worker trains its clients with the sequential executor, one
+after the other, exactly as :meth:`~contrafl.engine.simulation.Simulation.train_locally`
+trains them in one process: for a given world size the run is reproducible bit for
+bit, and equal to the other executors to float tolerance (the ranks' thread counts and
+the order in which the replies arrive differ).
+
+Starting: ``contrafl run executor=distributed workers=W`` forks the ``W - 1`` workers
+itself and connects them over 127.0.0.1. Under ``torchrun`` (``RANK`` and
+``WORLD_SIZE`` set) every process runs ``contrafl run`` with the same config: rank 0 the
+run, the others :func:`serve` (:func:`launched`). The packets travel over Gloo (on GPUs
+too: each rank loads them onto its own device) as ``torch.save`` pickles: every rank
+must be the user's own process (torch.distributed's own trust model).
+"""
+
+from __future__ import annotations
+
+import datetime
+import io
+import os
+import threading
+import traceback
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from ..algorithms.base import Phase
+from ..cores import cpu_cores
+from ..errors import ContraflError, one_line
+from .signals import detach_from_signals, stop_point
+
+if TYPE_CHECKING:
+    from ..config import Config
+    from .setup import Setup
+    from .simulation import ClientOutcome, Scores, Simulation, StateDict
+
+POLL_S = 0.1  # how often rank 0 looks for a stop request while it waits for a worker
+TIMEOUT = datetime.timedelta(minutes=30)  # the process group's: a worker lost for this long ends the run
+SLACK = 0.1  # a client stays on the worker that holds its state while that worker's load stays within 1.1x the mean
+
+
+class WorkerError(RuntimeError):
+    """A worker failed: its exception (first line) and traceback."""
+
+
+def launched() -> tuple[int, int] | None:
+    """``(rank, world size)`` of a process that ``torchrun`` (or another launcher
+    that sets ``RANK`` and ``WORLD_SIZE``) started as one of several; None otherwise."""
+    try:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    except (KeyError, ValueError):
+        return None
+    return (rank, world) if world > 1 else None
+
+
+def bind_device() -> None:
+    """Under ``torchrun`` on a machine with GPUs: this process's GPU is the
+    ``LOCAL_RANK``-th (modulo the GPUs it sees), before anything is put on one."""
+    if launched() is not None and torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+
+
+def assign(steps: dict[int, int], holders: dict[int, int], world: int) -> list[list[int]]:
+    """The clients of a round (``{cid: planned steps}``) shared among ``world`` ranks:
+    the longest first, each to the rank that holds its newest state
+    (``holders[cid]``, a worker) while that rank's load stays within ``1 + SLACK``
+    times the mean, else to the least loaded rank (the lowest on ties). Every rank
+    computes the same shares; each share is sorted."""
+    mean = sum(steps.values()) / world
+    loads = [0] * world
+    shares: list[list[int]] = [[] for _ in range(world)]
+    for cid in sorted(steps, key=lambda c: (-steps[c], c)):
+        rank = holders.get(cid)
+        if rank is None or loads[rank] + steps[cid] > (1 + SLACK) * mean:
+            rank = loads.index(min(loads))
+        shares[rank].append(cid)
+        loads[rank] += steps[cid]
+    return [sorted(share) for share in shares]
+
+
+# -- the wire ------------------------------------------------------------------------
+def _wait(work: Any, peer: int) -> None:
+    """Wait for ``work`` (a send or receive with ``peer``), looking for a stop request
+    every :data:`POLL_S` seconds: a thread waits (Gloo's waits cannot be polled)."""
+    done = threading.Event()
+    failed: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            work.wait()
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            failed.append(exc)
+        finally:
+            done.set()
+
+    threading.Thread(target=wait, daemon=True).start()
+    while not done.wait(POLL_S):
+        stop_point()
+    if failed:
+        raise WorkerError(f"rank {peer} is gone ({one_line(failed[0])})")
+
+
+def send(obj: Any, peer: int) -> None:
+    """Send ``obj`` to rank ``peer``: its size, then its bytes (``torch.save``: a tensor
+    shared by several clients' messages travels once)."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    data = torch.frombuffer(buffer.getbuffer(), dtype=torch.uint8)
+    _wait(dist.isend(torch.tensor([data.numel()], dtype=torch.int64), peer), peer)
+    _wait(dist.isend(data, peer), peer)
+
+
+def receive(peer: int, device: torch.device | str = "cpu") -> Any:
+    """The next object rank ``peer`` sends, its tensors on ``device``."""
+    size = torch.zeros(1, dtype=torch.int64)
+    _wait(dist.irecv(size, peer), peer)
+    data = torch.empty(int(size), dtype=torch.uint8)
+    _wait(dist.irecv(data, peer), peer)
+    return torch.load(io.BytesIO(data.numpy().tobytes()), map_location=device, weights_only=False)
+
+
+# -- rank 0 --------------------------------------------------------------------------
+class DistributedTransport:
+    """Rank 0's side: trains each round's clients on all ranks
+    (:class:`~contrafl.engine.simulation.Transport`); evaluates in this process, which
+    holds every client's state."""
+
+    def __init__(self, sim: Simulation, world: int) -> None:
+        self.sim = sim
+        self.world = world
+        self.workers: list[Any] = []  # the processes this one forked (none under torchrun)
+        self.holders: dict[int, int] = {}  # client -> the worker holding its newest state too
+        self.pending: set[int] = set()  # the workers training a packet rank 0 has not had the answer of
+        self.threads = torch.get_num_threads()  # this process's, given back at the end
+
+    def train(
+        self, t: int, cids: list[int], message_for: Callable[[int], dict[str, Any]], phases: list[Phase]
+    ) -> Iterator[ClientOutcome]:
+        sim = self.sim
+        messages = {cid: message_for(cid) for cid in cids}
+        shares = assign({cid: sim.planned_steps(cid, phases) for cid in cids}, self.holders, self.world)
+        for rank, share in enumerate(shares[1:], start=1):
+            states = {cid: sim.store.get(cid) for cid in share if self.holders.get(cid) != rank}
+            send({"t": t, "messages": {cid: messages[cid] for cid in share}, "states": states}, rank)
+            self.pending.add(rank)
+        for cid in shares[0]:  # trained here: the workers' copies grow old
+            self.holders.pop(cid, None)
+        yield from sim.train_locally(t, shares[0], messages.__getitem__, phases)
+        for rank in range(1, self.world):
+            answer = receive(rank, sim.device)
+            self.pending.discard(rank)
+            if isinstance(answer, BaseException):
+                raise answer
+            if isinstance(answer, str):
+                raise WorkerError(answer)
+            for outcome, state in answer:
+                if state is not None:
+                    sim.store.put(outcome.cid, state)
+                    self.holders[outcome.cid] = rank
+                yield outcome
+
+    def evaluate(self, t: int, cids: list[int], message_for: Callable[[int], dict[str, Any]]) -> Iterator[tuple[int, Scores | None]]:
+        return self.sim.evaluate_locally(t, cids, message_for)
+
+    def evaluate_model(self, t: int, cids: list[int], state: StateDict) -> Iterator[tuple[int, Scores | None]]:
+        return self.sim.evaluate_model_locally(t, cids, state)
+
+    def close(self) -> None:
+        """End the workers: idle ones (the run completed, or stopped between rounds) get
+        a stop packet; busy or failed ones (a stop within a round, a failure) are killed
+        where this process forked them, and otherwise lose rank 0 and end. Then leave the
+        process group and give this process its threads back."""
+        idle = not self.pending
+        if idle:
+            try:
+                for rank in range(1, self.world):
+                    send(None, rank)
+            except (WorkerError, RuntimeError):
+                idle = False
+        for p in self.workers:
+            if not idle:
+                p.kill()
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        torch.set_num_threads(self.threads)
+
+
+def start(sim: Simulation) -> DistributedTransport:
+    """The transport of ``sim``'s run: over the process group ``torchrun`` made (this
+    process is rank 0), or over ``workers`` processes (default: the cores) forked now on
+    127.0.0.1, each with ``cores // workers`` threads, as this process while it runs."""
+    env = launched()
+    if env is not None:
+        if env[0] != 0:  # contrafl run serves these ranks before it builds a run (cli.serve_rank)
+            raise ContraflError(
+                f"rank {env[0]} of torchrun was asked to run a simulation of its own; under torchrun only "
+                "`contrafl run` (and `contrafl run --resume`) runs one simulation on all ranks"
+            )
+        if not dist.is_initialized():
+            dist.init_process_group("gloo", timeout=TIMEOUT)
+        return DistributedTransport(sim, env[1])
+    world = sim.cfg.workers or 1
+    transport = DistributedTransport(sim, world)
+    torch.set_num_threads(max(1, cpu_cores() // world))
+    if world == 1:
+        return transport
+    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, timeout=TIMEOUT, wait_for_workers=False)
+    if sim.device.type == "cpu":  # the workers inherit the data and the model
+        ctx, target, what = mp.get_context("fork"), _forked_worker, sim.setup
+    else:  # CUDA cannot be used in a forked process: the workers load the data anew
+        ctx, target, what = mp.get_context("spawn"), _spawned_worker, sim.cfg
+    transport.workers = [
+        ctx.Process(target=target, args=(what, store.port, rank, world), daemon=True) for rank in range(1, world)
+    ]
+    for p in transport.workers:
+        p.start()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=world, timeout=TIMEOUT)
+    return transport
+
+
+# -- ranks 1 .. W-1 ------------------------------------------------------------------
+def _spawned_worker(cfg: Config, port: int, rank: int, world: int) -> None:
+    """A worker that ``contrafl run`` started on a GPU machine: the run's data and model
+    made anew from its config, then as :func:`_forked_worker`."""
+    from .setup import prepare
+
+    detach_from_signals()
+    _forked_worker(prepare(cfg), port, rank, world)
+
+
+def _forked_worker(setup: Setup, port: int, rank: int, world: int) -> None:
+    """A worker that ``contrafl run`` forked: its rank of the process group on
+    127.0.0.1, then :func:`serve` with a simulation of its own."""
+    from .simulation import Simulation
+
+    detach_from_signals()
+    torch.set_num_threads(max(1, cpu_cores() // world))
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=TIMEOUT)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=TIMEOUT)
+    serve(Simulation(setup))
+
+
+def serve_launched(setup: Setup) -> None:
+    """A rank above 0 that ``torchrun`` started: join the process group, then
+    :func:`serve` with a simulation of its own."""
+    from .simulation import Simulation
+
+    dist.init_process_group("gloo", timeout=TIMEOUT)
+    serve(Simulation(setup))
+
+
+def serve(sim: Simulation) -> None:
+    """A worker's life: train the clients of each packet rank 0 sends, with the states
+    it sends, and answer with their outcomes and next states, until a stop packet (or
+    the loss of rank 0, which raises). ``sim`` has no run directory: nothing of the run
+    is written here."""
+    try:
+        while (packet := receive(0, sim.device)) is not None:
+            t, messages = packet["t"], packet["messages"]
+            for cid, state in packet["states"].items():
+                if state is not None:
+                    sim.store.put(cid, state)
+            outcomes = sim.train_locally(t, list(messages), messages.__getitem__, sim.algorithm.phases(t))
+            send([(outcome, sim.store.get(outcome.cid)) for outcome in outcomes], 0)
+    except ContraflError as exc:  # a user error: rank 0 raises it as it is
+        send(exc, 0)
+    except WorkerError:  # rank 0 is gone: nobody to tell
+        raise
+    except BaseException as exc:  # reported to rank 0, which raises it
+        send(f"a worker failed with {one_line(exc)}\n{traceback.format_exc()}", 0)
+    finally:
+        sim.store.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,183 @@
+"""The distributed executor (issue #36 item 1): persistent worker processes on
+torch.distributed train each round's clients, their states moving exactly between ranks;
+a run equals the sequential executor's to float tolerance, the same world size
+reproduces it bit for bit (forked workers or torchrun's two launchers on 127.0.0.1), a
+killed run resumes to the same bytes, and a failing worker ends the run with its error."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from contrafl.cli import main
+from contrafl.config import load_config
+from contrafl.engine import distributed
+from contrafl.engine.distributed import assign
+from contrafl.engine.run_dir import RunDir
+from contrafl.engine.setup import prepare
+from contrafl.engine.simulation import Simulation
+from test_resume import _killed_run
+
+# MOON keeps every client's previous model: a state that must follow the client to the
+# rank that trains it; half the clients per round, so that the shares change.
+MOON = ["algorithm=moon", "num_clients=6", "sample_fraction=0.5", "rounds=4", "local_epochs=1"]
+
+
+def metrics(path) -> list[dict]:
+    return [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_shares_are_balanced_and_keep_clients_on_the_rank_that_holds_their_state():
+    steps = {0: 10, 1: 10, 2: 10, 3: 10, 4: 5, 5: 5}
+    assert assign(steps, {}, 2) == [[0, 2, 4], [1, 3, 5]]  # longest first to the least loaded
+    assert assign(steps, {0: 1, 1: 1}, 2) == [[2, 3, 4], [0, 1, 5]]  # 0 and 1 stay on rank 1
+    # rank 1 holds every client: it keeps them while its load is within 1.1x the mean (25)
+    assert assign(steps, {c: 1 for c in steps}, 2) == [[2, 3, 5], [0, 1, 4]]
+    shares = assign({c: 1 + c % 3 for c in range(20)}, {}, 3)
+    assert sorted(c for s in shares for c in s) == list(range(20))
+    assert max(sum(1 + c % 3 for c in s) for s in shares) - min(sum(1 + c % 3 for c in s) for s in shares) <= 1
+
+
+def test_a_distributed_run_equals_the_sequential_one_and_repeats_itself_bit_for_bit(tmp_path):
+    """3 ranks (two forked workers) on MOON: the metrics and the final models equal the
+    sequential executor's to float tolerance; a second run with 3 ranks, bit for bit;
+    the workers end with the run."""
+    runs = {}
+    for name, executor in [("sequential", ["executor=sequential"]), ("ranks", ["executor=distributed", "workers=3"]),
+                           ("again", ["executor=distributed", "workers=3"])]:
+        sim = Simulation(prepare(load_config(None, [*MOON, *executor])), RunDir(tmp_path / name))
+        started = []
+        start = distributed.start
+
+        def keep(sim, start=start):
+            started.append(start(sim))
+            return started[-1]
+
+        distributed.start = keep
+        try:
+            assert sim.run()["status"] == "completed"
+        finally:
+            distributed.start = start
+        if started:
+            assert started[0].world == 3 and started[0].holders  # states left rank 0
+            assert not any(p.is_alive() for p in started[0].workers)
+        runs[name] = sim
+    seq, ranks = metrics(tmp_path / "sequential"), metrics(tmp_path / "ranks")
+    for a, b in zip(seq, ranks):
+        assert a["clients"] == b["clients"] and a["local_steps"] == b["local_steps"]
+        assert b["train_loss"] == pytest.approx(a["train_loss"], rel=1e-5)
+        assert b["test_acc"] == pytest.approx(a["test_acc"], abs=1e-9)
+    for k, v in runs["sequential"].server.model.items():
+        torch.testing.assert_close(runs["ranks"].server.model[k], v, rtol=1e-4, atol=1e-5)
+    assert (tmp_path / "ranks" / "metrics.jsonl").read_bytes() == (tmp_path / "again" / "metrics.jsonl").read_bytes()
+    for cid in range(6):  # rank 0 holds every client's newest state, as the sequential run does
+        torch.testing.assert_close(runs["ranks"].store.get(cid), runs["sequential"].store.get(cid), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_killed_in_the_middle_of_a_round_resumes_to_the_same_bytes(tmp_path):
+    """Rank 0 killed (SIGKILL) after some replies of round 3: its forked workers die with
+    it; `--resume` starts new ones, which hold no state, and ends byte-identical to the
+    uninterrupted run."""
+    settings = [*MOON, "executor=distributed", "workers=2"]
+    assert main(["run", "--quiet", "--out", str(tmp_path / "clean"), *settings]) == 0
+    run = tmp_path / "run"
+    _killed_run(run, "round", 2 * 3 + 2, settings)
+    assert json.loads((run / "summary.json").read_text())["rounds_completed"] == 2
+    assert main(["run", "--quiet", "--resume", str(run)]) == 0
+    assert (run / "metrics.jsonl").read_bytes() == (tmp_path / "clean" / "metrics.jsonl").read_bytes()
+    orphans = subprocess.run(["pgrep", "-f", str(run)], capture_output=True, text=True).stdout.split()
+    assert not orphans
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("torchrun") is None and not os.path.exists(os.path.join(os.path.dirname(sys.executable), "torchrun")), reason="no torchrun")
+def test_torchrun_on_two_launchers_equals_the_run_with_the_same_ranks_bit_for_bit(tmp_path):
+    """docs/distributed.md's two-machine command, on 127.0.0.1 with one process per
+    launcher (one thread each, as the forked workers of a 2-core machine have): rank 0
+    writes the run, rank 1 nothing, and the metrics equal `workers=2`'s byte for byte."""
+    settings = [*MOON, "executor=distributed"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
+    local = subprocess.run(
+        [sys.executable, "-m", "contrafl", "run", *settings, "workers=2", "--quiet", "--out", str(tmp_path / "local")],
+        env={**env, "OMP_NUM_THREADS": "2"}, capture_output=True, text=True, timeout=300,
+    )
+    assert local.returncode == 0, local.stderr[-2000:]
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    port = str(free_port())
+    launchers = [
+        subprocess.Popen(
+            [torchrun, "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
+             "--master-port", port, "-m", "contrafl", "run", *settings, "--quiet", "--out", str(tmp_path / f"node{node}")],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        for node in (0, 1)
+    ]
+    outputs = [p.communicate(timeout=300)[0] for p in launchers]
+    assert [p.returncode for p in launchers] == [0, 0], outputs
+    assert not (tmp_path / "node1").exists()
+    assert (tmp_path / "node0" / "metrics.jsonl").read_bytes() == (tmp_path / "local" / "metrics.jsonl").read_bytes()
+
+
+def test_a_failing_worker_ends_the_run_with_its_error(tmp_path, monkeypatch):
+    """A worker whose training raises: rank 0 raises its first line (the run directory
+    records the run as failed) and the workers are gone."""
+    parent = os.getpid()
+    train_locally = Simulation.train_locally
+
+    def broken(self, *args, **kwargs):
+        if os.getpid() != parent:
+            raise RuntimeError("the GPU caught fire")
+        return train_locally(self, *args, **kwargs)
+
+    monkeypatch.setattr(Simulation, "train_locally", broken)  # the forked worker inherits it
+    sim = Simulation(prepare(load_config(None, [*MOON, "executor=distributed", "workers=2"])), RunDir(tmp_path / "run"))
+    with pytest.raises(distributed.WorkerError, match="a worker failed with RuntimeError: the GPU caught fire"):
+        sim.run()
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["status"] == "failed"
+
+
+def test_another_executor_under_torchrun_is_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main(["run", "executor=parallel", "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "executor=parallel under torchrun" in err and "executor=distributed" in err
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        ["client_dropout=0.3"],
+        ["algorithm=fedprox", "drop_last=false", "client_speed=uniform:2,8", "round_deadline=1", "stragglers=partial"],
+        ["algorithm=fedavg", "dp=local", "dp.clip=1", "dp.noise_multiplier=0.3", "dp.noise=reproducible", "on_bad_update=skip"],
+    ],
+    ids=["dropout", "stragglers", "local-dp"],
+)
+def test_dropout_stragglers_and_local_dp_are_the_sequential_executors(tmp_path, settings):
+    rows = {}
+    for executor in (["executor=sequential"], ["executor=distributed", "workers=2"]):
+        cfg = load_config(None, [*MOON, *settings, *executor])
+        Simulation(prepare(cfg), RunDir(tmp_path / executor[0])).run()
+        rows[executor[0]] = metrics(tmp_path / executor[0])
+    for a, b in zip(rows["executor=sequential"], rows["executor=distributed"]):
+        for key in ("clients", "local_steps", "lost", "stragglers", "round_time"):
+            assert a.get(key) == b.get(key)
+        assert b["test_acc"] == pytest.approx(a["test_acc"], abs=0.02)
+        assert (b["train_loss"] is None) == (a["train_loss"] is None)
+        if a["train_loss"] is not None:
+            assert b["train_loss"] == pytest.approx(a["train_loss"], rel=1e-4)
+    assert any(r.get("lost") or r.get("stragglers") or r.get("dp_epsilon") for r in rows["executor=sequential"])
