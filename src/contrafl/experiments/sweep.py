@@ -290,7 +290,7 @@ def run_sweep(
     reused = f"{len(mine) - len(queue)} done before, reused; " if len(queue) < len(mine) else ""
     stream.write(
         f"{reused}{len(queue)} to run, {workers} at a time ({_each(share, workers, gpus)})\n" if queue
-        else f"all {len(mine)} runs done before, reused\n" if mine
+        else f"{'the' if len(mine) == 1 else 'all'} {count(len(mine), 'run')} done before, reused\n" if mine
         else f"nothing to run: the sweep has only {count(len(cells), 'run')} for {shard[1]} shares\n"  # type: ignore[index]
     )
     _record(sweep, out, overrides)
