@@ -21,15 +21,7 @@ from contrafl.experiments import sweep as sweep_module
 from contrafl.experiments.sweep import (
     Sweep, default_workers, in_shard, load_sweep, parse_shard, run_sweep, sweep_gpus, sweep_report, visible_gpus,
 )
-
-SPEC = """\
-name: digits sweep
-base: {dataset: digits, rounds: 3, num_clients: 4, local_epochs: 1}
-grid:
-  algorithm: [fedavg, moon]
-  partition.beta: [0.1, 0.5]
-seeds: [0, 1]
-"""
+from test_sweep import SPEC  # the digits sweep of 2 x 2 cells x 2 seeds
 
 TINY = "base: {dataset: digits, rounds: 1, num_clients: 2, local_epochs: 1}\ngrid: {algorithm: [fedavg, fedprox]}\nseeds: [0, 1]\n"
 """2 cells x 2 seeds of one round: about 3 s a run on one core."""

@@ -17,6 +17,7 @@ torch only where a function needs it.
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import math
@@ -31,6 +32,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Any
 
 
@@ -462,13 +464,50 @@ def contrafl_program(python: str, settings: str = "") -> Program:
     return Program(f"contrafl {settings}".strip(), command, contrafl_record)
 
 
-def add_contrafl_option(parser: Any) -> None:
-    parser.add_argument(
+def benchmark_parser(doc: str, seeds_help: str, rounds_help: str, work: Path) -> argparse.ArgumentParser:
+    """The options every peer benchmark takes (a script adds its peer's own); ``--peer``
+    and ``--out`` start the peer's process."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    p.add_argument("--data-dir", default=str(Path(__file__).resolve().parents[2].parent / "shared/data/cifar-10-batches-py"),
+                   help="the cifar-10-batches-py folder (default: ../shared/data/cifar-10-batches-py beside the repository)")
+    p.add_argument("--shape", choices=["silo", "device", "both"], default="both")
+    p.add_argument("--seeds", type=int, default=5, help=seeds_help)
+    p.add_argument("--pairs", type=int, default=1, help="runs of each program per seed (alternating)")
+    p.add_argument("--rounds", type=int, help=rounds_help)
+    p.add_argument(
         "--contrafl", nargs="+", default=[""], metavar="SETTINGS",
         help="contrafl's variants, each one quoted string of execution settings, e.g. "
              "'' 'executor=distributed workers=2' (default: '', its automatic executor); "
              "the first is the one the ratios divide by",
     )
+    p.add_argument("--python", default=sys.executable, help="interpreter of both programs (default: this one)")
+    p.add_argument("--work", type=Path, default=work, help="specs, runs and logs")
+    p.add_argument("--json", type=Path, help="also write the results here")
+    p.add_argument("--peer", type=Path, help=argparse.SUPPRESS)
+    p.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    return p
+
+
+def run_benchmark(a: argparse.Namespace, peers: list[Program], rounds: Mapping[str, int] | None = None) -> None:
+    """Compare contrafl's variants (``--contrafl``) with ``peers`` on the shapes of
+    :func:`benchmark_parser`'s options ``a``, each shape for ``--rounds``, else
+    ``rounds[shape]``, else its own; print the machine and the tables, and write them to
+    ``--json``."""
+    data_dir = Path(a.data_dir).resolve()
+    if not (data_dir / "data_batch_1").exists():
+        fail(f"{data_dir} holds no CIFAR-10 python batches (data_batch_1, ...)")
+    print_machine(a.python)
+    shutil.rmtree(a.work, ignore_errors=True)
+    a.work.mkdir(parents=True)
+    programs = [contrafl_program(a.python, c) for c in a.contrafl] + peers
+    results = []
+    for name in (["silo", "device"] if a.shape == "both" else [a.shape]):
+        shape = SHAPES[name]
+        n = a.rounds or (rounds or {}).get(name, shape.rounds)
+        runs = compare(programs, shape, n, a.seeds, a.pairs, str(data_dir), a.work)
+        results.append(report(shape, n, runs, [prog.name for prog in programs]))
+    if a.json:
+        a.json.write_text(json.dumps(results, indent=1))
 
 
 def compare(programs: list[Program], shape: Shape, rounds: int, seeds: int, pairs: int,

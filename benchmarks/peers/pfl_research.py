@@ -54,17 +54,14 @@ contrafl's (a ``CentralEvaluationCallback`` told contrafl's rounds; none before 
 
 from __future__ import annotations
 
-import argparse
 import json
-import shutil
 import sys
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (  # noqa: E402
-    SHAPES, Program, add_contrafl_option, compare, contrafl_program, fail, load_initial_weights, moon_cnn, peer_data,
-    peer_record, print_machine, report,
+    Program, benchmark_parser, fail, load_initial_weights, moon_cnn, peer_data, peer_record, run_benchmark,
 )
 
 HERE = Path(__file__).resolve()
@@ -97,40 +94,14 @@ def torchrun(python: str) -> list[str]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--data-dir", default=str(HERE.parents[2].parent / "shared/data/cifar-10-batches-py"),
-                   help="the cifar-10-batches-py folder (default: ../shared/data/cifar-10-batches-py beside the repository)")
-    p.add_argument("--shape", choices=["silo", "device", "both"], default="both")
-    p.add_argument("--seeds", type=int, default=5, help="seeds 0..N-1: contrafl's seed=s, pfl's shuffle seed s")
-    p.add_argument("--pairs", type=int, default=1, help="runs of each program per seed (alternating)")
-    p.add_argument("--rounds", type=int, help="override the shape's rounds (quick checks)")
+    p = benchmark_parser(__doc__, "seeds 0..N-1: contrafl's seed=s, pfl's shuffle seed s",
+                         "override the shape's rounds (quick checks)", Path("/tmp/contrafl-peers/pfl-research"))
     p.add_argument("--configs", nargs="+", choices=["single", "torchrun"], default=["single", "torchrun"],
                    help="pfl in one process, under torchrun --nproc-per-node 2, or both")
-    add_contrafl_option(p)
-    p.add_argument("--python", default=sys.executable, help="interpreter of both programs (default: this one)")
-    p.add_argument("--work", type=Path, default=Path("/tmp/contrafl-peers/pfl-research"), help="specs, runs and logs")
-    p.add_argument("--json", type=Path, help="also write the results here")
-    p.add_argument("--peer", type=Path, help=argparse.SUPPRESS)
-    p.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.peer is not None:
         return run_pfl(a.peer, a.out)
-
-    data_dir = Path(a.data_dir).resolve()
-    if not (data_dir / "data_batch_1").exists():
-        fail(f"{data_dir} holds no CIFAR-10 python batches (data_batch_1, ...)")
-    print_machine(a.python)
-    shutil.rmtree(a.work, ignore_errors=True)
-    a.work.mkdir(parents=True)
-    programs = [contrafl_program(a.python, c) for c in a.contrafl] + [pfl_program(a.python, 1 if c == "single" else 2) for c in a.configs]
-    results = []
-    for name in (["silo", "device"] if a.shape == "both" else [a.shape]):
-        shape = SHAPES[name]
-        rounds = a.rounds or shape.rounds
-        runs = compare(programs, shape, rounds, a.seeds, a.pairs, str(data_dir), a.work)
-        results.append(report(shape, rounds, runs, [prog.name for prog in programs]))
-    if a.json:
-        a.json.write_text(json.dumps(results, indent=1))
+    run_benchmark(a, [pfl_program(a.python, 1 if c == "single" else 2) for c in a.configs])
 
 
 # -- pfl's process (``--peer``) -----------------------------------------------------------
