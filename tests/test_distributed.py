@@ -16,10 +16,12 @@ import sys
 import pytest
 import torch
 
+from contrafl.algorithms.registry import ALGORITHMS
 from contrafl.cli import main
 from contrafl.config import load_config
 from contrafl.engine import distributed
 from contrafl.engine.distributed import assign
+from contrafl.engine.partial import restore
 from contrafl.engine.run_dir import RunDir
 from contrafl.engine.setup import prepare
 from contrafl.engine.simulation import Simulation
@@ -89,7 +91,7 @@ def test_killed_in_the_middle_of_a_round_resumes_to_the_same_bytes(tmp_path):
     settings = [*MOON, "executor=distributed", "workers=2"]
     assert main(["run", "--quiet", "--out", str(tmp_path / "clean"), *settings]) == 0
     run = tmp_path / "run"
-    _killed_run(run, "round", 2 * 3 + 2, settings)
+    _killed_run(run, "outcome", 2 * (1 + 3) + 1 + 2, settings)  # round 3, two of its three outcomes taken
     assert json.loads((run / "summary.json").read_text())["rounds_completed"] == 2
     assert main(["run", "--quiet", "--resume", str(run)]) == 0
     assert (run / "metrics.jsonl").read_bytes() == (tmp_path / "clean" / "metrics.jsonl").read_bytes()
@@ -168,6 +170,41 @@ def test_another_executor_under_torchrun_is_one_line(tmp_path, capsys, monkeypat
     assert main(["run", "executor=parallel", "--out", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "executor=parallel under torchrun" in err and "executor=distributed" in err
+
+
+def test_workers_send_their_valid_replies_as_one_mean_and_a_bad_reply_alone(tmp_path, monkeypatch):
+    """MOON's server needs only the sample-weighted mean of the replies: a worker checks
+    its clients' replies as the server would and sends the valid ones as their mean,
+    which rank 0 puts in each one's place (engine.partial.restore); a reply that fails
+    the checks (NaN from client 2 in round 2) comes alone, and rank 0 rejects it with
+    the sequential executor's reason. Metrics and models agree to float tolerance."""
+    moon = ALGORITHMS.get("moon")
+    client_end = moon.client_end
+
+    def corrupt(self, task, result, state, ctx):
+        reply, new_state = client_end(self, task, result, state, ctx)
+        if ctx.round == 1 and ctx.cid == 2:
+            reply.payload = {**reply.payload, "model": {k: v * float("nan") for k, v in reply.payload["model"].items()}}
+        return reply, new_state
+
+    monkeypatch.setattr(moon, "client_end", corrupt)  # the forked workers inherit it
+    restored, shares = [], []
+    monkeypatch.setattr(distributed, "restore", lambda reply, mean: restored.append(reply.cid) or restore(reply, mean))
+    monkeypatch.setattr(distributed, "assign", lambda *a: shares.append(assign(*a)) or shares[-1])
+    runs = {}
+    for executor in (["executor=sequential"], ["executor=distributed", "workers=2"]):
+        sim = Simulation(prepare(load_config(None, [*MOON, "on_bad_update=skip", *executor])), RunDir(tmp_path / executor[0]))
+        assert sim.sums_replies
+        sim.run()
+        runs[executor[0]] = sim
+    seq, ranks = metrics(tmp_path / "executor=sequential"), metrics(tmp_path / "executor=distributed")
+    assert [r.get("rejected") for r in ranks] == [r.get("rejected") for r in seq] and seq[1]["rejected"]
+    bad = {r["client"] for r in seq[1]["rejected"]}
+    assert bad == {2} and 2 in shares[1][1] and len(restored) == sum(len(share[1]) for share in shares) - 1  # all but the bad
+    for a, b in zip(seq, ranks):
+        assert b["train_loss"] == pytest.approx(a["train_loss"], rel=1e-5) and b["bytes_up"] == a["bytes_up"]
+    for k, v in runs["executor=sequential"].server.model.items():
+        torch.testing.assert_close(runs["executor=distributed"].server.model[k], v, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize(

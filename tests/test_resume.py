@@ -2,7 +2,8 @@
 
 A `contrafl run` subprocess kills itself with SIGKILL (no handler, no cleanup) at a
 chosen point: in the middle of a round (after some clients' replies, and their states,
-have come back) or in the middle of writing a checkpoint (the client states written,
+have come back: counted as the server checks them, or, for a transport whose workers
+check them, as the round loop takes the outcomes) or in the middle of writing a checkpoint (the client states written,
 the checkpoint file half written). `contrafl run --resume` must then end with a
 metrics.jsonl byte-identical to the uninterrupted run's.
 """
@@ -51,6 +52,15 @@ KILLER = textwrap.dedent(
             return result
 
         simulation.check_reply = check_reply
+    elif where == "outcome":  # at the n-th stop point of the round loop: one before each round and each outcome
+        point = simulation.stop_point
+
+        def stop_point():
+            if due():
+                os.kill(os.getpid(), signal.SIGKILL)
+            point()
+
+        simulation.stop_point = stop_point
     else:  # while writing the n-th checkpoint file: half of it on disk, not renamed
         def torn_save(obj, path):
             if path.name == "checkpoint.pt" and due():

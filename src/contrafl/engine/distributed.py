@@ -14,7 +14,11 @@ replies). Each round rank 0
    clients, the broadcast, travels once per worker) and the states of those of its
    clients whose newest state it does not hold;
 3. trains its own share, and receives each worker's outcomes (the replies, the loss,
-   the steps) with its clients' next states.
+   the steps) with its clients' next states. Where the server needs no more than the
+   sample-weighted mean of the replies (:attr:`Simulation.sums_replies`), a worker checks
+   its clients' replies as the server would and sends the valid ones as one mean
+   (:mod:`contrafl.engine.partial`): one model's worth of bytes a worker instead of one a
+   client, checked on the workers in parallel.
 
 Rank 0 keeps every client's newest state (its store is the one the checkpoints save),
 so a client can train on any rank, its state moving exactly, and a resumed run starts
@@ -34,6 +38,7 @@ must be the user's own process (torch.distributed's own trust model).
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import io
 import os
@@ -49,6 +54,7 @@ import torch.multiprocessing as mp
 from ..algorithms.base import Phase
 from ..cores import cpu_cores
 from ..errors import ContraflError, one_line
+from .partial import restore, summed
 from .signals import detach_from_signals, stop_point
 
 if TYPE_CHECKING:
@@ -154,6 +160,7 @@ class DistributedTransport:
         self.holders: dict[int, int] = {}  # client -> the worker holding its newest state too
         self.pending: set[int] = set()  # the workers training a packet rank 0 has not had the answer of
         self.threads = torch.get_num_threads()  # this process's, given back at the end
+        self.mean = sim.sums_replies  # the workers send their valid replies as one mean (engine.partial)
 
     def train(
         self, t: int, cids: list[int], message_for: Callable[[int], dict[str, Any]], phases: list[Phase]
@@ -163,7 +170,7 @@ class DistributedTransport:
         shares = assign({cid: sim.planned_steps(cid, phases) for cid in cids}, self.holders, self.world)
         for rank, share in enumerate(shares[1:], start=1):
             states = {cid: sim.store.get(cid) for cid in share if self.holders.get(cid) != rank}
-            send({"t": t, "messages": {cid: messages[cid] for cid in share}, "states": states}, rank)
+            send({"t": t, "messages": {cid: messages[cid] for cid in share}, "states": states, "mean": self.mean}, rank)
             self.pending.add(rank)
         for cid in shares[0]:  # trained here: the workers' copies grow old
             self.holders.pop(cid, None)
@@ -175,11 +182,12 @@ class DistributedTransport:
                 raise answer
             if isinstance(answer, str):
                 raise WorkerError(answer)
-            for outcome, state in answer:
+            outcomes, mean = answer
+            for outcome, state in outcomes:
                 if state is not None:
                     sim.store.put(outcome.cid, state)
                     self.holders[outcome.cid] = rank
-                yield outcome
+                yield dataclasses.replace(outcome, reply=restore(outcome.reply, mean)) if outcome.checked else outcome
 
     def evaluate(self, t: int, cids: list[int], message_for: Callable[[int], dict[str, Any]]) -> Iterator[tuple[int, Scores | None]]:
         return self.sim.evaluate_locally(t, cids, message_for)
@@ -244,6 +252,24 @@ def start(sim: Simulation) -> DistributedTransport:
 
 
 # -- ranks 1 .. W-1 ------------------------------------------------------------------
+def summed_outcomes(
+    sim: Simulation, outcomes: list[ClientOutcome], messages: dict[int, dict[str, Any]]
+) -> tuple[list[ClientOutcome], list[torch.Tensor]]:
+    """A worker's ``outcomes`` with the replies that pass the server's checks
+    (:meth:`~contrafl.engine.simulation.Simulation.reply_problem`) summed
+    (:func:`~contrafl.engine.partial.summed`: marked ``checked``, their floating-point
+    tensors in the returned mean); the others as they are, for rank 0 to check and
+    reject as it would any reply. Unchanged when the valid replies have no mean to take."""
+    specs: dict[int, Any] = {}
+    valid = [o for o in outcomes if o.reply is not None and sim.reply_problem(o.cid, o.reply, messages[o.cid], specs) is None]
+    made = summed([o.reply for o in valid])
+    if made is None:
+        return outcomes, []
+    bare, mean = made
+    by_cid = {o.cid: dataclasses.replace(o, reply=reply, checked=True) for o, reply in zip(valid, bare)}
+    return [by_cid.get(o.cid, o) for o in outcomes], mean
+
+
 def _spawned_worker(cfg: Config, port: int, rank: int, world: int) -> None:
     """A worker that ``contrafl run`` started on a GPU machine: the run's data and model
     made anew from its config, then as :func:`_forked_worker`."""
@@ -285,8 +311,9 @@ def serve(sim: Simulation) -> None:
             for cid, state in packet["states"].items():
                 if state is not None:
                     sim.store.put(cid, state)
-            outcomes = sim.train_locally(t, list(messages), messages.__getitem__, sim.algorithm.phases(t))
-            send([(outcome, sim.store.get(outcome.cid)) for outcome in outcomes], 0)
+            outcomes = list(sim.train_locally(t, list(messages), messages.__getitem__, sim.algorithm.phases(t)))
+            outcomes, mean = summed_outcomes(sim, outcomes, messages) if packet["mean"] else (outcomes, [])
+            send(([(outcome, sim.store.get(outcome.cid)) for outcome in outcomes], mean), 0)
     except ContraflError as exc:  # a user error: rank 0 raises it as it is
         send(exc, 0)
     except WorkerError:  # rank 0 is gone: nobody to tell

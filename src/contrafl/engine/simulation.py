@@ -21,6 +21,7 @@ TensorBoard, MLflow or CSV files (:mod:`~contrafl.engine.tracking`), after
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import tempfile
@@ -38,7 +39,7 @@ from torch.utils import _pytree as pytree
 from ..algorithms.base import LocalTask, Phase, Reply, ServerState, StateDict, TrainResult
 from ..algorithms.server_opt import ServerOptimizer
 from ..config import Config, fingerprint
-from ..data.augment import view_transform
+from ..data.augment import Transform, Views, view_transform
 from ..errors import CheckpointError, ClientUpdateError, one_line
 from ..metrics.evaluate import evaluate
 from ..metrics.history import mean_std, rounds_to_reach
@@ -105,7 +106,9 @@ class ClientOutcome:
     :func:`~contrafl.engine.validate.check_reply` where it was made, before a transport
     that hides single updates, such as secure aggregation, could carry it). ``time``:
     the simulated time its work took (``steps / speed``, :mod:`contrafl.speeds`); ``straggler``: how a client that missed the round's deadline
-    was cut (:meth:`Simulation.cut_at_deadline`)."""
+    was cut (:meth:`Simulation.cut_at_deadline`); ``checked``: the reply passed
+    :meth:`Simulation.reply_problem` where it was made (a worker of the distributed
+    executor, before it summed the replies), so the server does not check it again."""
 
     cid: int
     reply: Reply | None
@@ -116,6 +119,7 @@ class ClientOutcome:
     time: float | None = None
     straggler: dict[str, Any] | None = None
     rejected: str | None = None
+    checked: bool = False
 
 
 def loss_parts(stats: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -167,6 +171,12 @@ def make_executor(name: str, workload: Workload, cfg: Config):
         workers = cfg.workers or cpu_cores()
         return ParallelExecutor(workload, workers, threads=max(1, cpu_cores() // workers))
     return SequentialExecutor(workload)
+
+
+READY_INPUTS_BYTES = 1 << 30
+"""The most memory :attr:`Simulation.train_inputs` spends on a training set transformed ahead of the steps."""
+READY_CHUNK = 4096
+"""Samples transformed at a time by :attr:`Simulation.train_inputs`."""
 
 
 class Simulation:
@@ -395,12 +405,39 @@ class Simulation:
             for phase in phases
         )
 
+    @functools.cached_property
+    def train_inputs(self) -> tuple[torch.Tensor, Transform | Views]:
+        """The training samples the local steps gather their batches from, and the
+        transform they apply to each batch.
+
+        A deterministic single-view pipeline (no random op, e.g. ``augment=none``'s
+        normalisation) on the CPU, for an executor that trains clients step by step (not
+        the vectorized one), is applied here, once, to the whole training set, in
+        the model's layout (:meth:`FunctionalNet.layout`), when the result takes at most
+        :data:`READY_INPUTS_BYTES`; the steps then only gather rows (MOON's CNN, batch
+        10: the per-step conversion and layout were 8% of a step). The values are the
+        same, elementwise. Otherwise the stored samples (``uint8`` images: a quarter of
+        float32's memory) and the run's pipeline."""
+        x, transform = self.train.x, self.setup.train_transform
+        deterministic = isinstance(transform, Transform) and not any(op.keys for op in transform.ops)
+        steps = self.executor_name != "vectorized"  # whose vmap takes its [K, B] batches as they come (NCHW)
+        if not (deterministic and steps and self.algorithm.views == 1 and self.device.type == "cpu" and len(x)):
+            return x, transform
+        head = self.net.layout(transform(x[:2]))  # two samples: the layout's strides, which do not depend on the count
+        if head.element_size() * head[0].numel() * len(x) > READY_INPUTS_BYTES:
+            return x, transform
+        ready = torch.empty_strided((len(x), *head.shape[1:]), head.stride(), dtype=head.dtype)
+        for start in range(0, len(x), READY_CHUNK):
+            ready[start : start + READY_CHUNK] = transform(x[start : start + READY_CHUNK])
+        return ready, Transform()
+
     def round_executor(self, phases: list[Phase]) -> SequentialExecutor | ParallelExecutor | VectorizedExecutor:
         """The run's executor for a round of ``phases``."""
+        x, transform = self.train_inputs
         workload = Workload(
-            self.train.x,
+            x,
             self.train.y,
-            self.setup.train_transform,
+            transform,
             self.net,
             self.phase_runs(phases),
             autocast=self.autocast,
@@ -557,7 +594,7 @@ class Simulation:
         times: list[float] = []
         stragglers: list[dict[str, Any]] = []
         up: dict[str, int] = {}
-        broadcast_spec = None
+        specs: dict[int, Any] = {}
         dropped = self.dropped_out(t, sampled)
         for cid in dropped:
             lost[cid] = f"dropped out (client_dropout={cfg.client_dropout:g})"
@@ -586,14 +623,7 @@ class Simulation:
             reply = outcome.reply
             received.append(reply)
             add_bytes(up, payload_bytes(reply.payload))
-            if cid in own_messages:
-                spec = algo.reply_spec(own_messages[cid])
-            else:
-                broadcast_spec = broadcast_spec or algo.reply_spec(broadcast)
-                spec = broadcast_spec
-            reason = check_reply(reply, spec) if reply.cid == cid else f"the reply names client {reply.cid!r}"
-            if reason is None and self.privacy is not None and self.privacy.mode == "local":
-                reason = self.privacy.check_local(reply, own_messages.get(cid, broadcast))
+            reason = None if outcome.checked else self.reply_problem(cid, reply, own_messages.get(cid, broadcast), specs)
             if reason is None:
                 replies.append(reply)
             else:
@@ -648,6 +678,31 @@ class Simulation:
         row["bytes_down"] = down
         row["bytes_up"] = up
         return row
+
+    def reply_problem(self, cid: int, reply: Reply, message: dict[str, Any], specs: dict[int, Any]) -> str | None:
+        """Why client ``cid``'s ``reply`` to ``message`` cannot be aggregated, or None:
+        it names another client, or fails :func:`check_reply` against the algorithm's
+        :meth:`~contrafl.algorithms.base.Algorithm.reply_spec` of ``message`` (kept in
+        ``specs`` by the message's ``id``, for the messages of one round), or, with
+        ``dp=local``, :meth:`Privacy.check_local`."""
+        if reply.cid != cid:
+            return f"the reply names client {reply.cid!r}"
+        spec = specs.get(id(message))
+        if spec is None:
+            spec = specs[id(message)] = self.algorithm.reply_spec(message)
+        reason = check_reply(reply, spec)
+        if reason is None and self.privacy is not None and self.privacy.mode == "local":
+            reason = self.privacy.check_local(reply, message)
+        return reason
+
+    @property
+    def sums_replies(self) -> bool:
+        """Whether the server may get the valid replies of a share of a round's clients as
+        their sample-weighted mean (:mod:`contrafl.engine.partial`): the algorithm's
+        aggregate needs no more (``beyond_weighted_mean``), and no setting looks at single
+        updates (differential privacy, ``update_outlier_factor``)."""
+        algo = self.algorithm
+        return algo.beyond_weighted_mean(algo.params) is None and self.privacy is None and not self.cfg.update_outlier_factor
 
     def local_models(self, cids: Iterable[int], t: int | None = None) -> dict[int, StateDict]:
         """The models clients ``cids`` hold after their local training in round ``t``

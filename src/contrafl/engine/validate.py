@@ -29,8 +29,29 @@ def check_reply(reply: Reply, spec: Mapping[str, Any]) -> str | None:
     n = reply.num_samples
     if isinstance(n, bool) or not isinstance(n, int) or n < 0:
         return f"num_samples={n!r}, expected a non-negative integer"
-    reason = _check(reply.payload, spec, "")
+    floats: list[tuple[str, torch.Tensor]] = []
+    reason = _check(reply.payload, spec, "", floats) or non_finite(floats)
     return reason if reason is not None else next(filter(None, map(table_problem, label_tables(reply.payload))), None)
+
+
+def non_finite(tensors: Sequence[tuple[str, torch.Tensor]]) -> str | None:
+    """Why one of the named floating-point ``tensors`` has NaN or infinite values (the
+    first in order), or None. One fused pass first: a tensor's L1 norm is finite when
+    all its values are (a sum of finite absolute values overflows only past its dtype's
+    largest value, and then the exact scan below clears the tensor), so the scan runs
+    only when a norm is not."""
+    if not tensors:
+        return None
+    values = [t for _, t in tensors]
+    norms = [n.float().to(values[0].device) for n in torch._foreach_norm(values, 1)]
+    if bool(torch.stack(norms).isfinite().all()):
+        return None
+    for where, value in tensors:
+        finite = torch.isfinite(value)
+        if not bool(finite.all()):
+            nan = int(torch.isnan(value).sum())
+            return f"{where} has non-finite values ({nan} NaN, {int((~finite).sum()) - nan} infinite)"
+    return None
 
 
 def table_problem(table: Mapping[str, Any]) -> str | None:
@@ -66,7 +87,9 @@ def label_tables(payload: Any) -> list[Mapping[str, Any]]:
     return []
 
 
-def _check(value: Any, spec: Any, path: str) -> str | None:
+def _check(value: Any, spec: Any, path: str, floats: list[tuple[str, torch.Tensor]]) -> str | None:
+    """Why ``value`` does not have the structure, shapes and dtypes of ``spec``, or None;
+    appends its floating-point tensors, named, to ``floats`` (for :func:`non_finite`)."""
     where = f"'{path}'" if path else "the payload"
     if isinstance(spec, TensorSpec):
         if not isinstance(value, torch.Tensor):
@@ -76,11 +99,8 @@ def _check(value: Any, spec: Any, path: str) -> str | None:
         shape = tuple(value.shape)
         if len(shape) != len(spec.shape) or any(e is not None and e != s for s, e in zip(shape, spec.shape)):
             return f"{where} has shape {list(shape)}, expected {spec}"
-        if value.is_floating_point() or value.is_complex():
-            finite = torch.isfinite(value)
-            if not bool(finite.all()):
-                nan = int(torch.isnan(value).sum())
-                return f"{where} has non-finite values ({nan} NaN, {int((~finite).sum()) - nan} infinite)"
+        if (value.is_floating_point() or value.is_complex()) and value.numel():
+            floats.append((where, value))
         return None
     if isinstance(spec, Mapping):
         if not isinstance(value, Mapping):
@@ -92,7 +112,7 @@ def _check(value: Any, spec: Any, path: str) -> str | None:
         if extra:
             return f"{_join(path, extra[0])!r} is not expected"
         for k, sub in spec.items():
-            reason = _check(value[k], sub, _join(path, k))
+            reason = _check(value[k], sub, _join(path, k), floats)
             if reason:
                 return reason
         return None
@@ -100,7 +120,7 @@ def _check(value: Any, spec: Any, path: str) -> str | None:
         if not isinstance(value, Sequence) or len(value) != len(spec):
             return f"{where} is not a sequence of {len(spec)} entries"
         for i, (v, s) in enumerate(zip(value, spec)):
-            reason = _check(v, s, f"{path}[{i}]")
+            reason = _check(v, s, f"{path}[{i}]", floats)
             if reason:
                 return reason
         return None
