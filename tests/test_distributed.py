@@ -207,6 +207,34 @@ def test_workers_send_their_valid_replies_as_one_mean_and_a_bad_reply_alone(tmp_
         torch.testing.assert_close(runs["executor=distributed"].server.model[k], v, rtol=1e-4, atol=1e-5)
 
 
+def test_rank_0s_progress_counts_the_workers_steps(tmp_path, monkeypatch):
+    """The round's progress on rank 0 plans every client's steps and counts the workers'
+    as they report them (a counter in the process group's store): by the round's last
+    outcome it has counted all of them, as many as the round's local_steps."""
+    monkeypatch.setattr(distributed, "REPORT_S", 0.0)  # the forked workers report every step
+
+    class Recorder:
+        def __init__(self):
+            self.seen: dict[int, list[tuple[int, int, int]]] = {}
+
+        def working(self, work):
+            self.seen.setdefault(work.round, []).append((work.all_steps_done(), work.steps_done, work.steps))
+
+        def resume_at(self, rounds):
+            pass
+
+        def round_done(self, row):
+            pass
+
+    recorder = Recorder()
+    sim = Simulation(prepare(load_config(None, [*MOON, "executor=distributed", "workers=2"])), RunDir(tmp_path / "run"), recorder)
+    sim.run()
+    for row in metrics(tmp_path / "run"):
+        seen = recorder.seen[row["round"]]
+        assert {planned for _, _, planned in seen} == {row["local_steps"]}
+        assert seen[-1][0] == row["local_steps"] > seen[-1][1]  # all counted, some on the worker
+
+
 @pytest.mark.parametrize(
     "settings",
     [

@@ -21,7 +21,7 @@ SETTINGS = ["algorithm=moon", "num_clients=3", "rounds=2", "local_epochs=1", "ex
 
 
 def test_flower_simulation_runtime_equals_the_simulator(tmp_path):
-    assert main(["deploy", "--prepare-only", "--out", str(tmp_path / "run"), *SETTINGS]) == 0
+    assert main(["deploy", "--prepare-only", "--insecure", "--out", str(tmp_path / "run"), *SETTINGS]) == 0
     bin_dir = Path(sys.executable).parent
     env = {**os.environ, "FLWR_HOME": str(tmp_path / "home"), "PATH": f"{bin_dir}:{os.environ['PATH']}",
            "FLWR_DISABLE_UPDATE_CHECK": "1", "FLWR_TELEMETRY_ENABLED": "0"}

@@ -43,6 +43,7 @@ import datetime
 import io
 import os
 import threading
+import time
 import traceback
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -55,6 +56,7 @@ from ..algorithms.base import Phase
 from ..cores import cpu_cores
 from ..errors import ContraflError, one_line
 from .partial import restore, summed
+from .progress import RoundWork
 from .signals import detach_from_signals, stop_point
 
 if TYPE_CHECKING:
@@ -62,7 +64,8 @@ if TYPE_CHECKING:
     from .setup import Setup
     from .simulation import ClientOutcome, Scores, Simulation, StateDict
 
-POLL_S = 0.1  # how often rank 0 looks for a stop request while it waits for a worker
+POLL_S = 0.1  # how often rank 0 looks for a stop request (and draws its progress) while it waits for a worker
+REPORT_S = 0.5  # how often a worker adds its local steps to rank 0's counter
 TIMEOUT = datetime.timedelta(minutes=30)  # the process group's: a worker lost for this long ends the run
 SLACK = 0.1  # a client stays on the worker that holds its state while that worker's load stays within 1.1x the mean
 
@@ -107,9 +110,10 @@ def assign(steps: dict[int, int], holders: dict[int, int], world: int) -> list[l
 
 
 # -- the wire ------------------------------------------------------------------------
-def _wait(work: Any, peer: int) -> None:
+def _wait(work: Any, peer: int, waiting: Callable[[], object] | None = None) -> None:
     """Wait for ``work`` (a send or receive with ``peer``), looking for a stop request
-    every :data:`POLL_S` seconds: a thread waits (Gloo's waits cannot be polled)."""
+    (and calling ``waiting``) every :data:`POLL_S` seconds: a thread waits (Gloo's waits
+    cannot be polled)."""
     done = threading.Event()
     failed: list[BaseException] = []
 
@@ -124,6 +128,8 @@ def _wait(work: Any, peer: int) -> None:
     threading.Thread(target=wait, daemon=True).start()
     while not done.wait(POLL_S):
         stop_point()
+        if waiting is not None:
+            waiting()
     if failed:
         raise WorkerError(f"rank {peer} is gone ({one_line(failed[0])})")
 
@@ -138,13 +144,58 @@ def send(obj: Any, peer: int) -> None:
     _wait(dist.isend(data, peer), peer)
 
 
-def receive(peer: int, device: torch.device | str = "cpu") -> Any:
-    """The next object rank ``peer`` sends, its tensors on ``device``."""
+def receive(peer: int, device: torch.device | str = "cpu", waiting: Callable[[], object] | None = None) -> Any:
+    """The next object rank ``peer`` sends, its tensors on ``device`` (``waiting``: called
+    every :data:`POLL_S` seconds until it starts to come)."""
     size = torch.zeros(1, dtype=torch.int64)
-    _wait(dist.irecv(size, peer), peer)
+    _wait(dist.irecv(size, peer), peer, waiting)
     data = torch.empty(int(size), dtype=torch.uint8)
     _wait(dist.irecv(data, peer), peer)
     return torch.load(io.BytesIO(data.numpy().tobytes()), map_location=device, weights_only=False)
+
+
+# -- the workers' local steps, for rank 0's progress ---------------------------------
+def steps_key(t: int) -> str:
+    """The process group store's counter of the workers' local steps in round ``t``."""
+    return f"contrafl/steps/{t}"
+
+
+class WorkerSteps:
+    """Rank 0's view of the local steps the workers have done in round ``t``
+    (:attr:`RoundWork.remote`): their counter in the process group's store, read at most
+    every :data:`POLL_S` seconds (:meth:`refresh` reads it now)."""
+
+    def __init__(self, store: dist.Store, t: int) -> None:
+        self.store, self.key = store, steps_key(t)
+        self.value, self.read_at = 0, float("-inf")
+
+    def __call__(self) -> int:
+        if time.monotonic() - self.read_at >= POLL_S:
+            self.refresh()
+        return self.value
+
+    def refresh(self) -> None:
+        self.value, self.read_at = self.store.add(self.key, 0), time.monotonic()
+
+
+class StepsReport:
+    """A worker's progress (its :attr:`Simulation.progress`): adds its local steps of
+    round ``t`` to rank 0's counter (:class:`WorkerSteps`) at most every
+    :data:`REPORT_S` seconds, and the rest at :meth:`flush`."""
+
+    def __init__(self, store: dist.Store, t: int) -> None:
+        self.store, self.key = store, steps_key(t)
+        self.sent, self.sent_at = 0, time.monotonic()
+
+    def working(self, work: RoundWork) -> None:
+        if time.monotonic() - self.sent_at >= REPORT_S:
+            self.flush(work)
+
+    def flush(self, work: RoundWork) -> None:
+        if work.steps_done > self.sent:
+            self.store.add(self.key, work.steps_done - self.sent)
+            self.sent = work.steps_done
+        self.sent_at = time.monotonic()
 
 
 # -- rank 0 --------------------------------------------------------------------------
@@ -153,9 +204,10 @@ class DistributedTransport:
     (:class:`~contrafl.engine.simulation.Transport`); evaluates in this process, which
     holds every client's state."""
 
-    def __init__(self, sim: Simulation, world: int) -> None:
+    def __init__(self, sim: Simulation, world: int, store: dist.Store | None = None) -> None:
         self.sim = sim
         self.world = world
+        self.store = store  # the process group's, where the workers count their steps
         self.workers: list[Any] = []  # the processes this one forked (none under torchrun)
         self.holders: dict[int, int] = {}  # client -> the worker holding its newest state too
         self.pending: set[int] = set()  # the workers training a packet rank 0 has not had the answer of
@@ -163,20 +215,33 @@ class DistributedTransport:
         self.mean = sim.sums_replies  # the workers send their valid replies as one mean (engine.partial)
 
     def train(
-        self, t: int, cids: list[int], message_for: Callable[[int], dict[str, Any]], phases: list[Phase]
+        self, t: int, cids: list[int], message_for: Callable[[int], dict[str, Any]], phases: list[Phase],
+        work: RoundWork | None = None,
     ) -> Iterator[ClientOutcome]:
         sim = self.sim
         messages = {cid: message_for(cid) for cid in cids}
-        shares = assign({cid: sim.planned_steps(cid, phases) for cid in cids}, self.holders, self.world)
+        planned = {cid: sim.planned_steps(cid, phases) for cid in cids}
+        shares = assign(planned, self.holders, self.world)
+        workers = None
+        if work is not None and self.store is not None:  # the round's steps, the workers' counted in the store
+            work.steps, work.remote = sum(planned.values()), (workers := WorkerSteps(self.store, t))
         for rank, share in enumerate(shares[1:], start=1):
             states = {cid: sim.store.get(cid) for cid in share if self.holders.get(cid) != rank}
             send({"t": t, "messages": {cid: messages[cid] for cid in share}, "states": states, "mean": self.mean}, rank)
             self.pending.add(rank)
         for cid in shares[0]:  # trained here: the workers' copies grow old
             self.holders.pop(cid, None)
-        yield from sim.train_locally(t, shares[0], messages.__getitem__, phases)
+        yield from sim.train_locally(t, shares[0], messages.__getitem__, phases, work)
+        progress = sim.progress
+
+        def waiting() -> None:
+            if progress is not None and work is not None:
+                progress.working(work)
+
         for rank in range(1, self.world):
-            answer = receive(rank, sim.device)
+            answer = receive(rank, sim.device, waiting)
+            if workers is not None:
+                workers.refresh()  # exact: a worker counts all its steps before it answers
             self.pending.discard(rank)
             if isinstance(answer, BaseException):
                 raise answer
@@ -231,13 +296,13 @@ def start(sim: Simulation) -> DistributedTransport:
             )
         if not dist.is_initialized():
             dist.init_process_group("gloo", timeout=TIMEOUT)
-        return DistributedTransport(sim, env[1])
+        return DistributedTransport(sim, env[1], dist.distributed_c10d._get_default_store())
     world = sim.cfg.workers or 1
     transport = DistributedTransport(sim, world)
     torch.set_num_threads(max(1, cpu_cores() // world))
     if world == 1:
         return transport
-    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, timeout=TIMEOUT, wait_for_workers=False)
+    store = transport.store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, timeout=TIMEOUT, wait_for_workers=False)
     if sim.device.type == "cpu":  # the workers inherit the data and the model
         ctx, target, what = mp.get_context("fork"), _forked_worker, sim.setup
     else:  # CUDA cannot be used in a forked process: the workers load the data anew
@@ -288,7 +353,7 @@ def _forked_worker(setup: Setup, port: int, rank: int, world: int) -> None:
     torch.set_num_threads(max(1, cpu_cores() // world))
     store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=TIMEOUT)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=TIMEOUT)
-    serve(Simulation(setup))
+    serve(Simulation(setup), store)
 
 
 def serve_launched(setup: Setup) -> None:
@@ -297,21 +362,24 @@ def serve_launched(setup: Setup) -> None:
     from .simulation import Simulation
 
     dist.init_process_group("gloo", timeout=TIMEOUT)
-    serve(Simulation(setup))
+    serve(Simulation(setup), dist.distributed_c10d._get_default_store())
 
 
-def serve(sim: Simulation) -> None:
+def serve(sim: Simulation, store: dist.Store) -> None:
     """A worker's life: train the clients of each packet rank 0 sends, with the states
-    it sends, and answer with their outcomes and next states, until a stop packet (or
-    the loss of rank 0, which raises). ``sim`` has no run directory: nothing of the run
-    is written here."""
+    it sends, counting the local steps in the process group's ``store`` for rank 0's
+    progress (:class:`StepsReport`), and answer with their outcomes and next states,
+    until a stop packet (or the loss of rank 0, which raises). ``sim`` has no run
+    directory: nothing of the run is written here."""
     try:
         while (packet := receive(0, sim.device)) is not None:
             t, messages = packet["t"], packet["messages"]
             for cid, state in packet["states"].items():
                 if state is not None:
                     sim.store.put(cid, state)
-            outcomes = list(sim.train_locally(t, list(messages), messages.__getitem__, sim.algorithm.phases(t)))
+            work, sim.progress = RoundWork(t + 1, len(messages)), (report := StepsReport(store, t))
+            outcomes = list(sim.train_locally(t, list(messages), messages.__getitem__, sim.algorithm.phases(t), work))
+            report.flush(work)
             outcomes, mean = summed_outcomes(sim, outcomes, messages) if packet["mean"] else (outcomes, [])
             send(([(outcome, sim.store.get(outcome.cid)) for outcome in outcomes], mean), 0)
     except ContraflError as exc:  # a user error: rank 0 raises it as it is

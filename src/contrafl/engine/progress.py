@@ -15,22 +15,28 @@ LIVE_S = 0.2  # the least time between two updates of a terminal's live line
 @dataclass
 class RoundWork:
     """What the current round has done: its clients and, where they train in this
-    process, their local steps (``steps`` planned: known when the round's jobs are
-    made; ``None`` for clients that train elsewhere)."""
+    process or in processes that report to it, their local steps (``steps`` planned:
+    known when the round's jobs are made; ``None`` for clients that train elsewhere).
+    ``steps_done`` counts this process's steps, ``remote`` (when set) reads those done
+    elsewhere (the workers of a distributed run)."""
 
     round: int
     clients: int
     clients_done: int = 0
     steps: int | None = None
     steps_done: int = 0
+    remote: Callable[[], int] | None = None
+
+    def all_steps_done(self) -> int:
+        return self.steps_done + (self.remote() if self.remote is not None else 0)
 
     def fraction(self) -> float:
         if self.steps:
-            return min(self.steps_done / self.steps, 1.0)
+            return min(self.all_steps_done() / self.steps, 1.0)
         return self.clients_done / max(self.clients, 1)
 
     def text(self) -> str:
-        steps = f"local steps {self.steps_done}/{self.steps}, " if self.steps else ""
+        steps = f"local steps {self.all_steps_done()}/{self.steps}, " if self.steps else ""
         return f"{steps}clients {self.clients_done}/{self.clients} done"
 
 
@@ -88,7 +94,7 @@ class Progress:
         done ones did, and each later round takes as long as the rounds done by this
         process did on average, or as this one, before any. None before any work."""
         elapsed = self.now() - self.round_start
-        done, total = (work.steps_done, work.steps) if work.steps else (work.clients_done, work.clients)
+        done, total = (work.all_steps_done(), work.steps) if work.steps else (work.clients_done, work.clients)
         if not done:
             return None
         this_round = elapsed * total / done

@@ -142,10 +142,12 @@ class Transport(Protocol):
     (:meth:`Simulation.train_locally`, :meth:`Simulation.evaluate_locally`)."""
 
     def train(
-        self, t: int, cids: list[int], message_for: Callable[[int], dict[str, Any]], phases: list[Phase]
+        self, t: int, cids: list[int], message_for: Callable[[int], dict[str, Any]], phases: list[Phase],
+        work: RoundWork | None = None,
     ) -> Iterable[ClientOutcome]:
         """Round ``t``'s local training of clients ``cids`` on their messages: their
-        outcomes, in any order."""
+        outcomes, in any order. ``work``: the round's progress, in which a transport that
+        sees its clients' local steps counts them."""
         ...
 
     def evaluate(
@@ -470,12 +472,14 @@ class Simulation:
         (:meth:`cut_at_deadline`) trains what it finished, or is lost; with ``dp=local``
         its reply is privatized (:meth:`Privacy.privatize`) before it leaves. ``work``
         (the round's, when given) counts the planned and finished local steps, and the
-        progress is told as they finish."""
+        progress is told as they finish (``work.steps``, when set, is left as it is: the
+        steps of a round whose other clients train elsewhere)."""
         algo, cfg = self.algorithm, self.cfg
         executor = self.round_executor(phases)
         planned = {cid: self.planned_steps(cid, phases) for cid in cids}
         work = work or RoundWork(t + 1, len(cids))
-        work.steps = sum(planned.values())
+        if work.steps is None:
+            work.steps = sum(planned.values())
 
         def steps_done(n: int) -> None:
             work.steps_done += n
@@ -601,7 +605,7 @@ class Simulation:
         replying = [cid for cid in sampled if cid not in dropped]
         work = RoundWork(t + 1, len(replying))
         if self.transport is not None:
-            outcomes = self.transport.train(t, replying, message_for, phases)
+            outcomes = self.transport.train(t, replying, message_for, phases, work)
         else:
             outcomes = self.train_locally(t, replying, message_for, phases, work)
         for done, outcome in enumerate(outcomes, start=1):
