@@ -150,7 +150,7 @@ def test_config_records_the_executor_that_ran(tmp_path):
     import yaml
 
     cfg = yaml.safe_load((tmp_path / "r" / "config.yaml").read_text())
-    assert cfg["executor"] in ("sequential", "parallel") and isinstance(cfg["workers"], int)
+    assert cfg["executor"] in ("sequential", "distributed") and isinstance(cfg["workers"], int)
     assert json.loads((tmp_path / "r" / "summary.json").read_text())["executor"] == cfg["executor"]
 
 

@@ -335,7 +335,7 @@ def test_auto_executor_follows_device_and_clients_per_round(monkeypatch):
     one = build_config({"num_clients": 10, "sample_fraction": 0.1})  # one client a round
     monkeypatch.setattr(simulation, "cpu_cores", lambda: 2)
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert simulation.choose_executor(many, algo, cpu) == "parallel"
+    assert simulation.choose_executor(many, algo, cpu) == "distributed"
     assert simulation.choose_executor(one, algo, cpu) == "sequential"
     assert simulation.choose_executor(many, algo, cuda) == "vectorized"
     assert simulation.choose_executor(many, SimpleNamespace(name="x", vectorizable=False), cuda) == "sequential"

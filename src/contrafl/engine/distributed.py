@@ -204,21 +204,31 @@ class DistributedTransport:
     (:class:`~contrafl.engine.simulation.Transport`); evaluates in this process, which
     holds every client's state."""
 
-    def __init__(self, sim: Simulation, world: int, store: dist.Store | None = None) -> None:
+    def __init__(self, sim: Simulation, world: int, store: dist.Store | None = None, rank_threads: int | None = None) -> None:
         self.sim = sim
         self.world = world
         self.store = store  # the process group's, where the workers count their steps
         self.workers: list[Any] = []  # the processes this one forked (none under torchrun)
         self.holders: dict[int, int] = {}  # client -> the worker holding its newest state too
         self.pending: set[int] = set()  # the workers training a packet rank 0 has not had the answer of
-        self.threads = torch.get_num_threads()  # this process's, given back at the end
+        self.threads = torch.get_num_threads()  # this process's, outside its training and at the end
+        self.rank_threads = rank_threads or self.threads  # while its share trains and the workers train theirs
         self.mean = sim.sums_replies  # the workers send their valid replies as one mean (engine.partial)
 
     def train(
-        self, t: int, cids: list[int], message_for: Callable[[int], dict[str, Any]], phases: list[Phase],
-        work: RoundWork | None = None,
+        self, t: int, cids: list[int], message_for: Callable[[int], dict[str, Any]], phases: list[Phase]
+    ) -> Iterator[ClientOutcome]:
+        torch.set_num_threads(self.rank_threads)
+        try:
+            yield from self._train(t, cids, message_for, phases)
+        finally:
+            torch.set_num_threads(self.threads)
+
+    def _train(
+        self, t: int, cids: list[int], message_for: Callable[[int], dict[str, Any]], phases: list[Phase]
     ) -> Iterator[ClientOutcome]:
         sim = self.sim
+        work = sim.round_work
         messages = {cid: message_for(cid) for cid in cids}
         planned = {cid: sim.planned_steps(cid, phases) for cid in cids}
         shares = assign(planned, self.holders, self.world)
@@ -286,7 +296,8 @@ class DistributedTransport:
 def start(sim: Simulation) -> DistributedTransport:
     """The transport of ``sim``'s run: over the process group ``torchrun`` made (this
     process is rank 0), or over ``workers`` processes (default: the cores) forked now on
-    127.0.0.1, each with ``cores // workers`` threads, as this process while it runs."""
+    127.0.0.1, each with ``cores // workers`` threads, as this process while it trains
+    its share (it takes all the cores again for the rest: aggregation, evaluation)."""
     env = launched()
     if env is not None:
         if env[0] != 0:  # contrafl run serves these ranks before it builds a run (cli.serve_rank)
@@ -298,8 +309,7 @@ def start(sim: Simulation) -> DistributedTransport:
             dist.init_process_group("gloo", timeout=TIMEOUT)
         return DistributedTransport(sim, env[1], dist.distributed_c10d._get_default_store())
     world = sim.cfg.workers or 1
-    transport = DistributedTransport(sim, world)
-    torch.set_num_threads(max(1, cpu_cores() // world))
+    transport = DistributedTransport(sim, world, rank_threads=max(1, cpu_cores() // world))
     if world == 1:
         return transport
     store = transport.store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, timeout=TIMEOUT, wait_for_workers=False)

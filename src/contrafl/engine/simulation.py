@@ -142,12 +142,11 @@ class Transport(Protocol):
     (:meth:`Simulation.train_locally`, :meth:`Simulation.evaluate_locally`)."""
 
     def train(
-        self, t: int, cids: list[int], message_for: Callable[[int], dict[str, Any]], phases: list[Phase],
-        work: RoundWork | None = None,
+        self, t: int, cids: list[int], message_for: Callable[[int], dict[str, Any]], phases: list[Phase]
     ) -> Iterable[ClientOutcome]:
         """Round ``t``'s local training of clients ``cids`` on their messages: their
-        outcomes, in any order. ``work``: the round's progress, in which a transport that
-        sees its clients' local steps counts them."""
+        outcomes, in any order. (A transport that sees its clients' local steps counts
+        them in the simulation's :attr:`Simulation.round_work`.)"""
         ...
 
     def evaluate(
@@ -210,6 +209,9 @@ class Simulation:
             spill = Path(tempfile.gettempdir()) / f"contrafl-{os.getpid()}-{id(self)}"
             self.store = ClientStore(cfg.client_memory_gb * 2**30, spill, self.device)
         self.executor_name = cfg.executor if cfg.executor != "auto" else choose_executor(cfg, type(self.algorithm), self.device)
+        self.round_work: RoundWork | None = None
+        """The current round's progress (:meth:`run_round`), in which a transport that sees
+        its clients' local steps counts them."""
         self.schedule = sample_schedule(cfg.num_clients, cfg.sample_fraction, cfg.rounds, cfg.seed)
         """Each round's clients drawn from the seed (:meth:`sample`: the round's actual
         clients, which ``sampling=secret`` draws otherwise; time estimates take this one)."""
@@ -603,9 +605,9 @@ class Simulation:
         for cid in dropped:
             lost[cid] = f"dropped out (client_dropout={cfg.client_dropout:g})"
         replying = [cid for cid in sampled if cid not in dropped]
-        work = RoundWork(t + 1, len(replying))
+        work = self.round_work = RoundWork(t + 1, len(replying))
         if self.transport is not None:
-            outcomes = self.transport.train(t, replying, message_for, phases, work)
+            outcomes = self.transport.train(t, replying, message_for, phases)
         else:
             outcomes = self.train_locally(t, replying, message_for, phases, work)
         for done, outcome in enumerate(outcomes, start=1):

@@ -218,7 +218,7 @@ def simulator_threads(cfg: Config) -> int:
     """torch's threads for each client in ``contrafl run`` of the resolved config ``cfg``
     on this machine: what SuperNodes need (node config ``threads``) for the simulator's
     numbers bit for bit."""
-    if cfg.executor == "parallel":
+    if cfg.executor in ("parallel", "distributed"):
         return max(1, cpu_cores() // (cfg.workers or cpu_cores()))
     return torch.get_num_threads()
 

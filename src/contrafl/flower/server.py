@@ -18,7 +18,6 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from ..algorithms.base import Phase, Reply
-from ..engine.progress import RoundWork
 from ..engine.simulation import ClientOutcome, Scores
 from ..errors import ConfigError, ContraflError
 from ..rng import derive_seed
@@ -64,14 +63,12 @@ class GridTransport:
         self.queries: dict[str, int] = {}  # message id of an unanswered query -> node id
 
     def train(
-        self, t: int, cids: list[int], message_for: Callable[[int], dict[str, Any]], phases: list[Phase],
-        work: RoundWork | None = None,
+        self, t: int, cids: list[int], message_for: Callable[[int], dict[str, Any]], phases: list[Phase]
     ) -> Iterator[ClientOutcome]:
         """Train messages to the nodes of ``cids``; their outcomes as the replies arrive,
         then the clients lost (no node, a node that cannot serve them, an error, or no
         reply within ``round_timeout``). Raises :class:`ContraflError` when fewer than
-        ``min_replies`` replied (as soon as that is certain). ``work`` is not used: the
-        nodes' local steps are not seen from here."""
+        ``min_replies`` replied (as soon as that is certain)."""
         cid_of, lost = self.send(t, cids, message_for, MessageType.TRAIN, {"checkpointed": self.checkpointed()})
         needed = min(self.min_replies, len(cids))
         if len(cid_of) < needed:
@@ -280,8 +277,7 @@ class SecureTransport(GridTransport):
         self.secure = SecureRound(PolledGrid(grid), context, self.round_timeout, float(max(1, max_weight)))
 
     def train(
-        self, t: int, cids: list[int], message_for: Callable[[int], dict[str, Any]], phases: list[Phase],
-        work: RoundWork | None = None,
+        self, t: int, cids: list[int], message_for: Callable[[int], dict[str, Any]], phases: list[Phase]
     ) -> Iterator[ClientOutcome]:
         """Round ``t``'s train messages through SecAgg+; the updates the clients rejected
         (before masking, with their reasons), the clients' outcomes, then the clients
