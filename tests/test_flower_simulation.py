@@ -20,6 +20,7 @@ from contrafl.flower.deploy import APP_DIR  # noqa: E402
 SETTINGS = ["algorithm=moon", "num_clients=3", "rounds=2", "local_epochs=1", "executor=sequential", "eval_personal=false"]
 
 
+@pytest.mark.slow
 def test_flower_simulation_runtime_equals_the_simulator(tmp_path):
     assert main(["deploy", "--prepare-only", "--insecure", "--out", str(tmp_path / "run"), *SETTINGS]) == 0
     bin_dir = Path(sys.executable).parent
