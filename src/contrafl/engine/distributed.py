@@ -213,7 +213,6 @@ class DistributedTransport:
         self.pending: set[int] = set()  # the workers training a packet rank 0 has not had the answer of
         self.threads = torch.get_num_threads()  # this process's, outside its training and at the end
         self.rank_threads = rank_threads or self.threads  # while its share trains and the workers train theirs
-        self.mean = sim.sums_replies  # the workers send their valid replies as one mean (engine.partial)
 
     def train(
         self, t: int, cids: list[int], message_for: Callable[[int], dict[str, Any]], phases: list[Phase]
@@ -237,7 +236,7 @@ class DistributedTransport:
             work.steps, work.remote = sum(planned.values()), (workers := WorkerSteps(self.store, t))
         for rank, share in enumerate(shares[1:], start=1):
             states = {cid: sim.store.get(cid) for cid in share if self.holders.get(cid) != rank}
-            send({"t": t, "messages": {cid: messages[cid] for cid in share}, "states": states, "mean": self.mean}, rank)
+            send({"t": t, "messages": {cid: messages[cid] for cid in share}, "states": states}, rank)
             self.pending.add(rank)
         for cid in shares[0]:  # trained here: the workers' copies grow old
             self.holders.pop(cid, None)
@@ -390,7 +389,7 @@ def serve(sim: Simulation, store: dist.Store) -> None:
             work, sim.progress = RoundWork(t + 1, len(messages)), (report := StepsReport(store, t))
             outcomes = list(sim.train_locally(t, list(messages), messages.__getitem__, sim.algorithm.phases(t), work))
             report.flush(work)
-            outcomes, mean = summed_outcomes(sim, outcomes, messages) if packet["mean"] else (outcomes, [])
+            outcomes, mean = summed_outcomes(sim, outcomes, messages) if sim.sums_replies else (outcomes, [])
             send(([(outcome, sim.store.get(outcome.cid)) for outcome in outcomes], mean), 0)
     except ContraflError as exc:  # a user error: rank 0 raises it as it is
         send(exc, 0)

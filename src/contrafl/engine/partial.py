@@ -36,13 +36,6 @@ def _is_float(leaf: Any) -> bool:
     return isinstance(leaf, torch.Tensor) and leaf.is_floating_point()
 
 
-def _layout(payload: Any) -> tuple[Any, list[tuple[torch.Size, torch.dtype] | None]]:
-    """The payload's tree structure and, per leaf, the shape and dtype of a floating-point
-    tensor (None for other leaves): replies can share a mean only when these agree."""
-    leaves, spec = pytree.tree_flatten(payload)
-    return spec, [(leaf.shape, leaf.dtype) if _is_float(leaf) else None for leaf in leaves]
-
-
 def summed(replies: Sequence[Reply]) -> tuple[list[Reply], list[torch.Tensor]] | None:
     """``replies`` with each floating-point tensor of their payloads replaced by
     :data:`IN_MEAN`, and those tensors' sample-weighted mean (in payload order, each
@@ -52,20 +45,21 @@ def summed(replies: Sequence[Reply]) -> tuple[list[Reply], list[torch.Tensor]] |
     are no replies): no mean to take."""
     if not replies:
         return None
-    layout = _layout(replies[0].payload)
-    if not any(layout[1]) or any(_layout(r.payload) != layout for r in replies[1:]):
+    flat = [pytree.tree_flatten(r.payload) for r in replies]
+    # the tree structure and, per leaf, a floating-point tensor's shape and dtype: replies share a mean only where these agree
+    layouts = [(spec, [(leaf.shape, leaf.dtype) if _is_float(leaf) else None for leaf in leaves]) for leaves, spec in flat]
+    if not any(layouts[0][1]) or any(layout != layouts[0] for layout in layouts[1:]):
         return None
     weights = sample_weights(list(replies))
-    floats = [[leaf for leaf in pytree.tree_leaves(r.payload) if _is_float(leaf)] for r in replies]
+    floats = [[leaf for leaf in leaves if _is_float(leaf)] for leaves, _ in flat]
     mean = [first * weights[0] for first in floats[0]]
     for tensors, w in zip(floats[1:], weights[1:]):
         torch._foreach_add_(mean, tensors, alpha=w)
-    bare = [dataclasses.replace(r, payload=pytree.tree_map_only(torch.Tensor, _mark, r.payload)) for r in replies]
+    bare = [
+        dataclasses.replace(r, payload=pytree.tree_unflatten([IN_MEAN if _is_float(leaf) else leaf for leaf in leaves], spec))
+        for r, (leaves, spec) in zip(replies, flat)
+    ]
     return bare, mean
-
-
-def _mark(leaf: torch.Tensor) -> torch.Tensor | str:
-    return IN_MEAN if leaf.is_floating_point() else leaf
 
 
 def restore(reply: Reply, mean: Sequence[torch.Tensor]) -> Reply:
