@@ -19,6 +19,7 @@ import torch
 from contrafl.algorithms.registry import ALGORITHMS
 from contrafl.cli import main
 from contrafl.config import load_config
+from contrafl.errors import ConfigError
 from contrafl.engine import distributed
 from contrafl.engine.distributed import assign
 from contrafl.engine.partial import restore
@@ -162,6 +163,24 @@ def test_a_failing_worker_ends_the_run_with_its_error(tmp_path, monkeypatch):
     with pytest.raises(distributed.WorkerError, match="a worker failed with RuntimeError: the GPU caught fire"):
         sim.run()
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["status"] == "failed"
+
+
+@pytest.mark.slow
+def test_spawned_workers_where_fork_is_unsafe_equal_forked_ones_bit_for_bit(tmp_path, monkeypatch):
+    """Where the workers cannot be forked (macOS, Windows: :func:`distributed.can_fork`)
+    they are spawned and load the run's data anew from its config: the same bytes of
+    metrics as forked workers, and `executor=parallel` (a fork every round) is one line."""
+    settings = [*MOON, "executor=distributed", "workers=2"]
+    assert main(["run", "--quiet", "--out", str(tmp_path / "forked"), *settings]) == 0
+    monkeypatch.setattr(distributed, "can_fork", lambda: False)
+    monkeypatch.setattr("contrafl.engine.setup.can_fork", lambda: False)
+    spawned = []
+    monkeypatch.setattr(distributed.mp, "get_context", lambda method, real=distributed.mp.get_context: spawned.append(method) or real(method))
+    assert main(["run", "--quiet", "--out", str(tmp_path / "spawned"), *settings]) == 0
+    assert spawned == ["spawn"]
+    assert (tmp_path / "spawned" / "metrics.jsonl").read_bytes() == (tmp_path / "forked" / "metrics.jsonl").read_bytes()
+    with pytest.raises(ConfigError, match="executor=parallel forks its workers every round, which is safe on Linux only"):
+        prepare(load_config(None, [*MOON, "executor=parallel"]))
 
 
 def test_another_executor_under_torchrun_is_one_line(tmp_path, capsys, monkeypatch):

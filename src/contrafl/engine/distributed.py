@@ -29,7 +29,8 @@ bit, and equal to the other executors to float tolerance (the ranks' thread coun
 the order in which the replies arrive differ).
 
 Starting: ``contrafl run executor=distributed workers=W`` forks the ``W - 1`` workers
-itself and connects them over 127.0.0.1. Under ``torchrun`` (``RANK`` and
+itself (on Linux; elsewhere, and on GPUs, it spawns them, and they load the data anew)
+and connects them over 127.0.0.1. Under ``torchrun`` (``RANK`` and
 ``WORLD_SIZE`` set) every process runs ``contrafl run`` with the same config: rank 0 the
 run, the others :func:`serve` (:func:`launched`). The packets travel over Gloo (on GPUs
 too: each rank loads them onto its own device) as ``torch.save`` pickles: every rank
@@ -42,6 +43,7 @@ import dataclasses
 import datetime
 import io
 import os
+import sys
 import threading
 import time
 import traceback
@@ -82,6 +84,13 @@ def launched() -> tuple[int, int] | None:
     except (KeyError, ValueError):
         return None
     return (rank, world) if world > 1 else None
+
+
+def can_fork() -> bool:
+    """Whether workers may be forked from this process, which has loaded torch: on Linux
+    only. macOS's system libraries may start threads that a fork leaves broken (Python's
+    own default there is spawn), and Windows has no fork."""
+    return sys.platform.startswith("linux")
 
 
 def bind_device() -> None:
@@ -312,9 +321,9 @@ def start(sim: Simulation) -> DistributedTransport:
     if world == 1:
         return transport
     store = transport.store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, timeout=TIMEOUT, wait_for_workers=False)
-    if sim.device.type == "cpu":  # the workers inherit the data and the model
+    if sim.device.type == "cpu" and can_fork():  # the workers inherit the data and the model
         ctx, target, what = mp.get_context("fork"), _forked_worker, sim.setup
-    else:  # CUDA cannot be used in a forked process: the workers load the data anew
+    else:  # CUDA cannot be used in a forked process (nor fork elsewhere): the workers load the data anew
         ctx, target, what = mp.get_context("spawn"), _spawned_worker, sim.cfg
     transport.workers = [
         ctx.Process(target=target, args=(what, store.port, rank, world), daemon=True) for rank in range(1, world)
@@ -345,8 +354,9 @@ def summed_outcomes(
 
 
 def _spawned_worker(cfg: Config, port: int, rank: int, world: int) -> None:
-    """A worker that ``contrafl run`` started on a GPU machine: the run's data and model
-    made anew from its config, then as :func:`_forked_worker`."""
+    """A worker that ``contrafl run`` started on a GPU machine, or where it cannot fork
+    (:func:`can_fork`): the run's data and model made anew from its config, then as
+    :func:`_forked_worker`."""
     from .setup import prepare
 
     detach_from_signals()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +34,7 @@ from ..models.custom import from_user, vectorizable
 from ..models.registry import model_spec as lookup_model, split_options
 from ..models.base import FedModel
 from ..rng import derive_seed
-from .distributed import launched
+from .distributed import can_fork, launched
 from .privacy import MODES, DPParams
 
 
@@ -329,6 +330,11 @@ def choose_executor(cfg: Config, algo_cls: type[Algorithm], device: torch.device
         raise ConfigError(f"executor=vectorized is not possible: {why}; use executor=sequential or executor=auto")
     if cfg.executor == "parallel" and device.type != "cpu":
         raise ConfigError("executor=parallel trains on the CPU; use executor=vectorized or auto with device=cuda")
+    if cfg.executor == "parallel" and not can_fork():
+        raise ConfigError(
+            f"executor=parallel forks its workers every round, which is safe on Linux only (this is {sys.platform}); "
+            "use executor=distributed or auto (workers started once, for the whole run)"
+        )
     if launched() is not None:  # one of several processes of torchrun
         if cfg.executor not in ("auto", "distributed"):
             raise ConfigError(

@@ -28,7 +28,7 @@ import sys
 import threading
 from collections.abc import Iterator
 
-HANDLED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+HANDLED = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))  # no SIGHUP on Windows
 
 _requested: int | None = None  # the signal of the first stop request not yet acted on
 _depth = 0  # how many interrupts() blocks the main thread is in
