@@ -19,6 +19,7 @@ from torch.utils import _pytree as pytree
 
 from contrafl.algorithms.base import LocalTask, Stage, TrainResult
 from contrafl.data.augment import eval_transform
+from contrafl.config import load_config
 from contrafl.engine.executor import FunctionalNet, Job, PhaseRun, SequentialExecutor, Workload
 from contrafl.engine.optim import SGD, Adam
 from contrafl.engine.plan import make_plan
@@ -84,30 +85,37 @@ def _data():
     return x, y, eval_transform(None, None), [np.arange(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
 
 
-def _jobs(global_params, global_buffers, extra=lambda cid, task: None, opt_state=None, epochs=2):
+# drop_last=false: batches of 15, so that every client ends its epochs with a partial
+# batch (10, 3, 9 and 3 samples: none of 1, which BatchNorm cannot train on) and the
+# clients' partial batches fall on different steps
+LAYOUTS = {True: 16, False: 15}
+
+
+def _jobs(global_params, global_buffers, extra=lambda cid, task: None, opt_state=None, epochs=2, drop_last=True):
     x, y, tf, client_rows = _data()
     jobs = []
     for cid, rows in enumerate(client_rows):
-        plan = make_plan(rows, epochs, 16, True, tf.sample, 1, generator(0, "plan", cid))
+        plan = make_plan(rows, epochs, LAYOUTS[drop_last], drop_last, tf.sample, 1, generator(0, "plan", cid))
         task = LocalTask(params={"model": dict(global_params)}, buffers={"model": dict(global_buffers)})
         extra(cid, task)
         jobs.append(Job(cid, task, [plan], seed=cid, opt_state=None if opt_state is None else opt_state(cid)))
     return x, y, tf, jobs
 
 
-def _compare(stages, optimizer, extra=lambda cid, task: None, opt_state=None):
+def _compare(stages, optimizer, extra=lambda cid, task: None, opt_state=None, drop_last=True):
     model = _model()
     params, buffers = _split(model)
-    x, y, tf, jobs = _jobs(params, buffers, extra, opt_state)
+    x, y, tf, jobs = _jobs(params, buffers, extra, opt_state, drop_last=drop_last)
     net = FunctionalNet(model)
     seq = SequentialExecutor(Workload.single(x, y, tf, net, stages, optimizer)).train(jobs)
-    x, y, tf, jobs = _jobs(params, buffers, extra, opt_state)
+    x, y, tf, jobs = _jobs(params, buffers, extra, opt_state, drop_last=drop_last)
     vec = VectorizedExecutor(Workload.single(x, y, tf, net, stages, optimizer), memory_bytes=2**30).train(jobs)
-    x, y, tf, jobs = _jobs(params, buffers, extra, opt_state)
+    x, y, tf, jobs = _jobs(params, buffers, extra, opt_state, drop_last=drop_last)
     padded = VectorizedExecutor(Workload.single(x, y, tf, net, stages, optimizer), 2**30, pad_finished=True).train(jobs)
     _assert_same_results(vec, padded)
+    batch = LAYOUTS[drop_last]
     for a, b, n in zip(seq, vec, SIZES):
-        assert a.steps == b.steps == 2 * (n // 16)
+        assert a.steps == b.steps == 2 * (n // batch if drop_last else -(-n // batch))
         for role in a.params:
             for k in a.params[role]:
                 torch.testing.assert_close(b.params[role][k], a.params[role][k], rtol=0, atol=1e-5)
@@ -116,6 +124,8 @@ def _compare(stages, optimizer, extra=lambda cid, task: None, opt_state=None):
         assert a.stats.keys() == b.stats.keys()
         for k in a.stats:
             torch.testing.assert_close(b.stats[k], a.stats[k], rtol=1e-5, atol=1e-5)
+    if not drop_last:
+        return seq, vec
     # the client with no step is returned untouched, BN statistics included
     for k, v in params.items():
         assert torch.equal(vec[2].params["model"][k], v)
@@ -136,9 +146,10 @@ def _assert_same_results(a: list[TrainResult], b: list[TrainResult]) -> None:
                 torch.testing.assert_close(v, u, rtol=0, atol=1e-6)
 
 
-def test_supervised_sgd_momentum():
-    seq, vec = _compare([Stage(supervised)], SGD(0.1, 0.9, 1e-3))
-    assert vec[0].buffers["model"]["features.1.num_batches_tracked"].item() == 8
+@pytest.mark.parametrize("drop_last", [True, False])
+def test_supervised_sgd_momentum(drop_last):
+    seq, vec = _compare([Stage(supervised)], SGD(0.1, 0.9, 1e-3), drop_last=drop_last)
+    assert vec[0].buffers["model"]["features.1.num_batches_tracked"].item() == (8 if drop_last else 10)
 
 
 def _adam_history(opt, params, cid):
@@ -149,12 +160,14 @@ def _adam_history(opt, params, cid):
     return [st]
 
 
-def test_adam_with_persisted_state():
+@pytest.mark.parametrize("drop_last", [True, False])
+def test_adam_with_persisted_state(drop_last):
     model = _model()
     params, _ = _split(model)
     opt = Adam(0.01)
-    seq, vec = _compare([Stage(supervised)], opt, opt_state=lambda cid: _adam_history(opt, params, cid))
-    assert vec[0].opt_state[0]["step"][0].item() == 8 and vec[2].opt_state[0]["step"][0].item() == 2
+    seq, vec = _compare([Stage(supervised)], opt, opt_state=lambda cid: _adam_history(opt, params, cid), drop_last=drop_last)
+    assert vec[0].opt_state[0]["step"][0].item() == (8 if drop_last else 10)
+    assert vec[2].opt_state[0]["step"][0].item() == (2 if drop_last else 4)
 
 
 @pytest.mark.parametrize("returning", [(1, 2), (0,), (3,)])
@@ -174,7 +187,8 @@ def test_adam_state_of_returning_and_new_clients(returning):
         assert seq[cid].opt_state[0]["step"][0].item() == expected
 
 
-def test_shared_and_per_client_frozen_models_consts_and_post_step():
+@pytest.mark.parametrize("drop_last", [True, False])
+def test_shared_and_per_client_frozen_models_consts_and_post_step(drop_last):
     shared_global = _split(_model(1))
     shared = {**shared_global[0], **shared_global[1]}
     consts_shared = {k: torch.full_like(v, 0.5) for k, v in shared_global[0].items()}
@@ -185,12 +199,13 @@ def test_shared_and_per_client_frozen_models_consts_and_post_step():
         task.frozen["prev"] = {**prev[0], **prev[1]}
         task.consts["c"] = consts_shared
 
-    _compare([Stage(contrastive, post_step=post)], SGD(0.05, 0.9), extra)
+    _compare([Stage(contrastive, post_step=post)], SGD(0.05, 0.9), extra, drop_last=drop_last)
     tree, dims = stack_trees([{"g": shared, "c": consts_shared}] * 3)
     assert all(d is None for d in dims["g"].values())  # shared: not copied per client
 
 
-def test_epoch_snapshots_and_two_stages():
+@pytest.mark.parametrize("drop_last", [True, False])
+def test_epoch_snapshots_and_two_stages(drop_last):
     branch = _split(_model(3))
 
     def extra(cid, task):
@@ -205,7 +220,7 @@ def test_epoch_snapshots_and_two_stages():
         return loss, {"branch": loss.detach()}
 
     stages = [Stage(branch_loss, trains=("branch",)), Stage(with_history, trains=("model",))]
-    _compare(stages, SGD(0.05, 0.9), extra)
+    _compare(stages, SGD(0.05, 0.9), extra, drop_last=drop_last)
 
 
 def test_chunking_by_memory_gives_the_same_results():
@@ -221,16 +236,6 @@ def test_chunking_by_memory_gives_the_same_results():
     for a, b in zip(chunked, whole):
         for k in a.params["model"]:
             torch.testing.assert_close(a.params["model"][k], b.params["model"][k], rtol=0, atol=1e-5)
-
-
-def test_unequal_batch_sizes_are_rejected():
-    model = _model()
-    params, buffers = _split(model)
-    x, y, tf, jobs = _jobs(params, buffers)
-    jobs[0].plans = [make_plan(np.arange(70), 1, 16, False, tf.sample, 1, generator(0, "x"))]
-    ex = VectorizedExecutor(Workload.single(x, y, tf, FunctionalNet(model), [Stage(supervised)], SGD(0.1)), 2**30)
-    with pytest.raises(ValueError, match="equal batch sizes"):
-        ex.train(jobs)
 
 
 def test_parallel_executor_matches_sequential():
@@ -525,7 +530,7 @@ def test_padded_steps_replay_one_graph_per_phase(monkeypatch):
     monkeypatch.setattr(vectorized.StepGraphs, "for_device", staticmethod(stand_in))
     replayed = VectorizedExecutor(workload, 2**30, pad_finished=True).train(_jobs(params, buffers, epochs=4)[3])
     assert [r.steps for r in replayed] == [16, 8, 0, 12]
-    assert set(made[0].graphs) == {4} and made[0].replays == 15
+    assert set(made[0].graphs) == {(4, 16)} and made[0].replays == 15  # (clients, batch size)
     _assert_same_results(eager, replayed)
     assert all(torch.equal(replayed[2].params["model"][k], v) for k, v in params.items())
 
@@ -544,6 +549,31 @@ def test_padded_runs_give_the_unpadded_results():
         torch.testing.assert_close(padded.server.model[k], v, rtol=0, atol=1e-6)
     for a, b in zip(plain.history, padded.history):
         assert b["train_loss"] == pytest.approx(a["train_loss"], rel=1e-6)
+
+
+@pytest.mark.parametrize("algorithm", ["moon", "fedper"])
+def test_partial_last_batches_vectorized_equal_the_sequential_run(algorithm):
+    """``drop_last=false`` (every client's epochs end with a batch of its own size):
+    ``executor=auto``'s vectorized choice on a GPU is no longer ruled out, and a
+    vectorized run, plain or padded, ends as the sequential run (MOON: a frozen global
+    and previous model per client; FedPer: a personal head kept by each client)."""
+    from conftest import simulate
+    from contrafl.algorithms.registry import ALGORITHMS
+    from contrafl.engine.setup import choose_executor
+
+    args = [f"algorithm={algorithm}", "drop_last=false", "batch_size=24", "partition=dirichlet", "partition.beta=0.5",
+            "local_epochs=2"]
+    cfg = load_config(None, [*args, "executor=auto"])
+    assert choose_executor(cfg, ALGORITHMS.get(algorithm), torch.device("cuda")) == "vectorized"
+    seq = simulate(*args, "executor=sequential")
+    assert len({len(rows) % 24 for rows in seq.rows}) > 2  # partial batches of several sizes
+    for extra in ([], ["pad_finished_clients=true"]):
+        vec = simulate(*args, "executor=vectorized", *extra)
+        assert [r["local_steps"] for r in vec.history] == [r["local_steps"] for r in seq.history]
+        for k, v in seq.server.model.items():
+            torch.testing.assert_close(vec.server.model[k], v, rtol=0, atol=1e-5)
+        for a, b in zip(seq.history, vec.history):
+            assert b["train_loss"] == pytest.approx(a["train_loss"], rel=1e-5)
 
 
 def test_step_graphs_only_on_a_gpu():

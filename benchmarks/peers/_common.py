@@ -190,7 +190,8 @@ def make_spec(shape: Shape, data_dir: str, seed: int, rounds: int, work: Path) -
     from contrafl.engine.sampling import sample_schedule
     from contrafl.engine.setup import prepare
 
-    setup = prepare(load_config(None, contrafl_overrides(shape, data_dir, seed, rounds)))
+    # on the CPU (a GPU machine too): the device is left out of the config's fingerprint
+    setup = prepare(load_config(None, [*contrafl_overrides(shape, data_dir, seed, rounds), "device=cpu"]))
     cfg = setup.config
     clients = [np.asarray(rows, dtype=np.int64).tolist() for rows in setup.partition.train]
     schedule = sample_schedule(cfg.num_clients, cfg.sample_fraction, cfg.rounds, cfg.seed)

@@ -4,8 +4,12 @@ on equal work: FedAvg on MOON's CNN with its head, CIFAR-10.
     python benchmarks/peers/pfl_research.py [--shape silo|device|both] [--seeds 5] [--pairs 1]
 
 Compared: contrafl (``contrafl run ... --quiet``, its automatic executor) against pfl in
-one process and pfl under ``torchrun --standalone --nproc-per-node 2`` (pfl's distributed
-simulation: each process trains part of every cohort, the updates are all-reduced). Each
+one process and pfl under ``torchrun --standalone --nproc-per-node N`` (``--processes``,
+default 2; pfl's distributed simulation: each process trains part of every cohort, the
+updates are all-reduced). On a machine with a GPU pfl trains on it (its default
+device); contrafl's variants name ``device=cuda``, e.g. ``--contrafl "device=cuda"
+"device=cuda executor=distributed workers=4"``; several pfl processes share one GPU
+(:func:`share_gpus`). Each
 program runs as a whole process, timed from before it starts to after it exits, and the
 three alternate (contrafl, pfl, pfl under torchrun, contrafl, ...). Two shapes
 (``_common.SHAPES``): ``silo``, 10 clients (Dirichlet(0.5) label skew), all in every round,
@@ -97,11 +101,15 @@ def main() -> None:
     p = benchmark_parser(__doc__, "seeds 0..N-1: contrafl's seed=s, pfl's shuffle seed s",
                          "override the shape's rounds (quick checks)", Path("/tmp/contrafl-peers/pfl-research"))
     p.add_argument("--configs", nargs="+", choices=["single", "torchrun"], default=["single", "torchrun"],
-                   help="pfl in one process, under torchrun --nproc-per-node 2, or both")
+                   help="pfl in one process, under torchrun --nproc-per-node N (--processes), or both")
+    p.add_argument("--processes", type=int, nargs="+", default=[2], metavar="N",
+                   help="pfl's processes under torchrun, one config each (default: 2; on one GPU pfl's docs "
+                        "advise trying 1 to 5 processes a GPU)")
     a = p.parse_args()
     if a.peer is not None:
         return run_pfl(a.peer, a.out)
-    run_benchmark(a, [pfl_program(a.python, 1 if c == "single" else 2) for c in a.configs])
+    peers = [pfl_program(a.python, n) for c in a.configs for n in ([1] if c == "single" else a.processes)]
+    run_benchmark(a, peers)
 
 
 # -- pfl's process (``--peer``) -----------------------------------------------------------
@@ -109,6 +117,7 @@ def main() -> None:
 def run_pfl(spec_path: Path, out: Path) -> None:
     """Run the spec's FedAvg job with pfl, as pfl's CIFAR-10 benchmark sets one up, and
     write what this process did to ``out/rank<R>.json``."""
+    share_gpus()
     import numpy as np
     import torch
     from pfl.aggregate.simulate import SimulatedBackend
@@ -147,6 +156,30 @@ def run_pfl(spec_path: Path, out: Path) -> None:
         "clients": journal.clients, "local_steps": journal.steps, "test_acc": evaluation.accuracy,
         "threads": torch.get_num_threads(), **evidence,
     }))
+
+
+def share_gpus() -> None:
+    """Let several pfl processes share a GPU, as pfl's docs advise for small models
+    ("Multi-process training": ``torchrun --nproc_per_node`` above the GPUs). pfl 0.6.0
+    puts the process of ``LOCAL_RANK`` r on ``cuda:r`` and all-reduces over NCCL, so with
+    more processes than GPUs rank r >= GPUs has no device, and NCCL refuses two ranks on
+    one GPU. Here, before pfl starts its process group (when it is imported), the
+    processes take the GPUs round robin (``cuda:r % GPUs``, through pfl's
+    ``PFL_PYTORCH_DEVICE``) and all-reduce over Gloo (the model's update, once a
+    round). Nothing changes with one process per GPU or without a GPU."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if not torch.cuda.is_available() or per_node <= torch.cuda.device_count():
+        return
+    gpus = torch.cuda.device_count()
+    os.environ["PFL_PYTORCH_DEVICE"] = f"cuda:{int(os.environ.get('LOCAL_RANK', '0')) % gpus}"
+    set_device, init_process_group = torch.cuda.set_device, dist.init_process_group
+    torch.cuda.set_device = lambda device: set_device(device % gpus if isinstance(device, int) else device)
+    dist.init_process_group = lambda backend=None, *args, **kwargs: init_process_group("gloo", *args, **kwargs)
 
 
 class Journal:

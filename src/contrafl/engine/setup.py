@@ -313,8 +313,7 @@ def resolve_augment(name: str, spec: DatasetSpec, algo_cls: type[Algorithm]) -> 
 def choose_executor(cfg: Config, algo_cls: type[Algorithm], device: torch.device) -> str:
     """The executor for ``executor=auto`` (``distributed`` under ``torchrun``).
 
-    On CUDA: the vectorized executor for algorithms that support it with equal batch
-    sizes (``drop_last``). On a multi-core CPU, when a round trains at least two clients:
+    On CUDA: the vectorized executor for algorithms that support it. On a multi-core CPU, when a round trains at least two clients:
     the distributed executor, one rank per core, each training one client at a time
     (batched per-client convolutions are slower than one client at a time on a CPU, and
     one client's small operations do not use many cores well). Measured on 2 cores
@@ -324,10 +323,12 @@ def choose_executor(cfg: Config, algo_cls: type[Algorithm], device: torch.device
     steps (24.2 against 33.4 s) and the digits default (5.6 against 6.8 s;
     docs/performance.md). Otherwise the sequential executor.
     """
-    can_vectorize = algo_cls.vectorizable and cfg.drop_last
+    can_vectorize = algo_cls.vectorizable
     if cfg.executor == "vectorized" and not can_vectorize:
-        why = f"algorithm {algo_cls.name} cannot be vectorized" if not algo_cls.vectorizable else "drop_last=false gives unequal batch sizes"
-        raise ConfigError(f"executor=vectorized is not possible: {why}; use executor=sequential or executor=auto")
+        raise ConfigError(
+            f"executor=vectorized is not possible: algorithm {algo_cls.name} cannot be vectorized; "
+            "use executor=sequential or executor=auto"
+        )
     if cfg.executor == "parallel" and device.type != "cpu":
         raise ConfigError("executor=parallel trains on the CPU; use executor=vectorized or auto with device=cuda")
     if cfg.executor == "parallel" and not can_fork():

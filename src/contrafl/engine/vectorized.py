@@ -14,6 +14,14 @@ BatchNorm statistics touched. Tensors shared by all clients (the broadcast globa
 SCAFFOLD's server control variate) are passed unbatched (``in_dims=None``) instead of
 being copied per client.
 
+Batches of unequal sizes (``drop_last=false``: each client's epochs end with a batch
+of what is left) are stacked padded to the largest. A step whose active clients all
+have batches of one size runs as any other (its shape, clients x batch size, is its
+CUDA graph's key); a step where they differ trains each group of one size on its own,
+eagerly: the group's state is gathered from the stack, stepped and written back. Such
+mixed steps are the last of an epoch for some clients: a phase has at most ``epochs``
+of them for each distinct number of steps per epoch among its clients.
+
 With ``pad_finished`` every step computes all the clients of the phase instead: the
 ones that have finished run on stale batches, and their parameters, buffers, optimiser
 states and statistics are put back after the step (``torch.where`` on a mask, so that
@@ -194,10 +202,8 @@ class VectorizedExecutor:
         tasks = [j.task for j in jobs]
         K = len(jobs)
         steps = [j.plans[p].steps for j in jobs]
-        sizes = {s for j in jobs for s in j.plans[p].sizes}
-        if len(sizes) > 1:
-            raise ValueError("the vectorized executor needs equal batch sizes (drop_last=true)")
-        B = sizes.pop() if sizes else 0
+        sizes = [j.plans[p].sizes for j in jobs]
+        B = max((b for s in sizes for b in s), default=0)
 
         params, _ = stack_trees([c.params for c in current], force=True)
         buffers, _ = stack_trees([c.buffers for c in current], force=True)
@@ -209,7 +215,6 @@ class VectorizedExecutor:
         consts, consts_dims = stack_trees([t.consts for t in tasks])
 
         keys = [stage_keys(stage, tasks[0]) for stage in phase.stages]
-        tensors = [[params[r][k] for r, k in ks] for ks in keys]
         opt_states = [stack_trees([c.opt_states[where][i] for c in current], force=True)[0] for i in range(len(phase.stages))]
         used = used_parameters(w, jobs[0], p)
 
@@ -221,11 +226,11 @@ class VectorizedExecutor:
         ]
         for i, job in enumerate(jobs):
             plan = job.plans[p]
-            n = plan.steps * B
-            rows[i, : plan.steps] = plan.order[:n].view(plan.steps, B)
+            at = _batch_positions(plan, B)
+            rows[i, : plan.steps] = plan.order[at]
             for view, dst in zip(plan.aug, augs):
                 for k, v in view.items():
-                    dst[k][i, : plan.steps] = v[:n].view((plan.steps, B) + v.shape[1:])
+                    dst[k][i, : plan.steps] = v[at]
 
         # the batch and noise of the current step, at fixed addresses: a step reads only
         # these and the stacked state, so that it can be replayed as a CUDA graph
@@ -236,6 +241,16 @@ class VectorizedExecutor:
             for stage in phase.stages
         ]
         totals: dict[str, torch.Tensor] = {}
+
+        def add_stats(k: str, v: torch.Tensor, into: slice | torch.Tensor) -> None:
+            if k not in totals:
+                totals[k] = torch.zeros((K,) + v.shape[1:], device=v.device)
+            if isinstance(into, slice):
+                totals[k][into] += v
+            else:
+                totals[k].index_add_(0, into, v)
+
+        whole = _Stack(params, buffers, frozen, frozen_dims, consts, consts_dims, opt_states, batch_rows, batch_augs, batch_noise)
         noise_gens = [noise_generator(job, p) for job in jobs]
         graphs = StepGraphs.for_device(w.x.device, self.cuda_graphs)
         if p == 0:
@@ -244,47 +259,60 @@ class VectorizedExecutor:
         live = torch.ones(K, dtype=torch.bool, device=w.x.device)  # pad: the clients still training (fixed address)
         kept = pytree.tree_leaves((params, buffers, opt_states)) if pad else []  # what a finished client must not change
 
-        def step(a: int) -> None:
-            before = [t.clone() for t in kept]
-            r = batch_rows[:a]
+        def step(st: _Stack, a: int, b: int, into: slice | torch.Tensor, masked: bool) -> None:
+            """One local step of the first ``a`` clients of ``st`` on batches of ``b``;
+            their statistics go to ``totals[into]``; ``masked``: the clients not
+            ``live`` keep their state (padding)."""
+            before = [t.clone() for t in kept] if masked else []
+            r = st.rows[:a, :b]
             raw = w.x[r]
             views = [
-                view_transform(w.transform, i)(raw, {k: v[:a] for k, v in view.items()})
-                for i, view in enumerate(batch_augs)
+                view_transform(w.transform, i)(raw, {k: v[:a, :b] for k, v in view.items()})
+                for i, view in enumerate(st.augs)
             ]
             x = views[0] if len(views) == 1 else torch.stack(views, dim=1)
             y = w.y[r]
-            for stage, ks, ts, state, uses, stage_noise in zip(phase.stages, keys, tensors, opt_states, used, batch_noise):
+            for stage, ks, state, uses, stage_noise in zip(phase.stages, keys, st.opt_states, used, st.noise):
                 trained = {role for role, _ in ks}
+                ts = [st.params[r][k] for r, k in ks]
                 for rep in range(stage.repeat):
-                    bufs = {role: {k: v[:a] for k, v in sd.items()} for role, sd in buffers.items()}
-                    fz = slice_tree(frozen, frozen_dims, a)
-                    cs = slice_tree(consts, consts_dims, a)
+                    bufs = {role: {k: v[:a] for k, v in sd.items()} for role, sd in st.buffers.items()}
+                    fz = slice_tree(st.frozen, st.frozen_dims, a)
+                    cs = slice_tree(st.consts, st.consts_dims, a)
                     noise = {name: t[:a] for name, t in stage_noise[rep].items()}
                     if stage.pre_step is not None:
                         update = self._update_fn(stage.pre_step, frozen_dims, consts_dims)
-                        set_values(params, update(_sliced(params, a), bufs, fz, cs, x, y, noise), a)
-                    tp = {role: {k: v[:a] for k, v in params[role].items()} for role in params if role in trained}
-                    op = {role: {k: v[:a] for k, v in params[role].items()} for role in params if role not in trained}
+                        set_values(st.params, update(_sliced(st.params, a), bufs, fz, cs, x, y, noise), a)
+                    tp = {role: {k: v[:a] for k, v in st.params[role].items()} for role in st.params if role in trained}
+                    op = {role: {k: v[:a] for k, v in st.params[role].items()} for role in st.params if role not in trained}
                     fn = self._grad_fn(stage, frozen_dims, consts_dims, sorted(op))
                     with w.autocast_context():
                         grads, (_, stats) = fn(tp, op, bufs, fz, cs, x, y, noise)
                     flat_grads = [grads[role][k] if u else None for (role, k), u in zip(ks, uses)]
-                    views_a = [t[:a] for t in ts]
-                    phase.optimizer.step(views_a, flat_grads, _slice_state(state, a))
+                    phase.optimizer.step([t[:a] for t in ts], flat_grads, _slice_state(state, a))
                     if stage.post_step is not None:
                         update = self._update_fn(stage.post_step, frozen_dims, consts_dims)
-                        set_values(params, update(_sliced(params, a), bufs, fz, cs, x, y, noise), a)
+                        set_values(st.params, update(_sliced(st.params, a), bufs, fz, cs, x, y, noise), a)
                     for k, v in stats.items():
                         v = v.detach().float()
-                        if pad:
+                        if masked:
                             v = torch.where(_per_client(live, v), v, 0.0)
-                        if k not in totals:
-                            totals[k] = torch.zeros((K,) + v.shape[1:], device=v.device)
-                        totals[k][:a] += v
-            for t, old in zip(kept, before):
+                        add_stats(k, v, into)
+            for t, old in zip(kept if masked else [], before):
                 t.copy_(torch.where(_per_client(live, t), t, old))
 
+        # each step's shape: (clients, batch size) where all its active clients have
+        # batches of one size (a graph's key), else None: its clients' partial last
+        # batches (drop_last=false) are trained in groups of one size, eagerly
+        shapes: list[tuple[int, int] | None] = []
+        for s in range(S):
+            a = sum(1 for n in steps if n > s)
+            at_s = {sizes[i][s] for i in range(a)}
+            shapes.append(((K if pad else a), at_s.pop()) if len(at_s) == 1 else None)
+        left: dict[Any, int] = {}  # steps of each shape from step s on (a graph's replays)
+        remaining = [0] * S
+        for s in reversed(range(S)):
+            left[shapes[s]] = remaining[s] = left.get(shapes[s], 0) + 1
         for s in range(S):
             a = sum(1 for n in steps if n > s)
             batch_rows[:a].copy_(rows[:a, s])
@@ -295,11 +323,18 @@ class VectorizedExecutor:
                 for dst in reps:
                     for name, t in _stack_noise([draw_noise(stage, g, w.x.device) for g in noise_gens[:a]]).items():
                         dst[name][:a].copy_(t)
-            if pad:
-                live.copy_(torch.arange(K, device=live.device) < a)
-                graphs.run(K, S - s, lambda: step(K))
+            shape = shapes[s]
+            if shape is not None:
+                if pad:
+                    live.copy_(torch.arange(K, device=live.device) < a)
+                n, b = shape
+                graphs.run(shape, remaining[s], lambda n=n, b=b: step(whole, n, b, slice(0, n), pad))
             else:
-                graphs.run(a, steps[a - 1] - s, lambda a=a: step(a))
+                for b in sorted({sizes[i][s] for i in range(a)}, reverse=True):
+                    idx = torch.tensor([i for i in range(a) if sizes[i][s] == b], device=w.x.device)
+                    group = whole.take(idx)
+                    step(group, len(idx), b, idx, False)
+                    whole.put(idx, group)
             if on_steps is not None:
                 on_steps(a)
             for i in range(a):
@@ -347,6 +382,47 @@ class VectorizedExecutor:
                 update, in_dims=(0, 0, frozen_dims, consts_dims, 0, 0, 0), randomness="different"
             )
         return self._grad_fns[key]
+
+
+class _Stack:
+    """The stacked state a step reads and updates (clients first): parameters, buffers,
+    frozen models and constants (with their trees of batched dims: a frozen model
+    shared by all clients is not stacked), optimiser states, and the step's batch rows,
+    augmentation parameters and noise. :meth:`take` copies out a group of clients,
+    :meth:`put` writes back the state a step of that group changed."""
+
+    def __init__(self, params, buffers, frozen, frozen_dims, consts, consts_dims, opt_states, rows, augs, noise) -> None:
+        self.params, self.buffers, self.opt_states = params, buffers, opt_states
+        self.frozen, self.frozen_dims, self.consts, self.consts_dims = frozen, frozen_dims, consts, consts_dims
+        self.rows, self.augs, self.noise = rows, augs, noise
+
+    def take(self, idx: torch.Tensor) -> "_Stack":
+        """Clients ``idx`` (positions in the stack), their batched tensors gathered."""
+        def rows(tree: Any, dims: Any = None) -> Any:
+            if dims is None:
+                return pytree.tree_map(lambda t: t.index_select(0, idx) if isinstance(t, torch.Tensor) else t, tree)
+            return pytree.tree_map(lambda t, d: t.index_select(0, idx) if d == 0 else t, tree, dims)
+
+        return _Stack(rows(self.params), rows(self.buffers), rows(self.frozen, self.frozen_dims), self.frozen_dims,
+                      rows(self.consts, self.consts_dims), self.consts_dims, rows(self.opt_states),
+                      rows(self.rows), rows(self.augs), rows(self.noise))
+
+    def put(self, idx: torch.Tensor, group: "_Stack") -> None:
+        """The parameters, buffers and optimiser states of ``group``, taken as clients
+        ``idx``, written back."""
+        for mine, theirs in ((self.params, group.params), (self.buffers, group.buffers), (self.opt_states, group.opt_states)):
+            for t, g in zip(pytree.tree_leaves(mine), pytree.tree_leaves(theirs)):
+                if isinstance(t, torch.Tensor):
+                    t.index_copy_(0, idx, g)
+
+
+def _batch_positions(plan: ClientPlan, width: int) -> torch.Tensor:
+    """``[steps, width]`` positions in ``plan.order`` of each step's batch, the batch
+    in its first ``size`` columns (the rest repeat its last sample; never read)."""
+    offsets = torch.tensor(plan.offsets[:-1], dtype=torch.long)
+    sizes = torch.tensor(plan.sizes, dtype=torch.long)
+    col = torch.arange(width)
+    return offsets[:, None] + torch.minimum(col[None, :], (sizes - 1).clamp(min=0)[:, None])
 
 
 class _Progress:

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Issue #36 item 6 on one GPU, in one call: contrafl against pfl-research (pfl 0.6.0) on
+# equal work (checked: benchmarks/peers/pfl_research.py), both shapes, one seed. pfl
+# in one process and with 2 and 4 processes sharing the GPU (its docs' advice for small
+# models); contrafl's vectorized executor with CUDA graphs (executor=auto on a GPU), the
+# same with the finished clients padded (one graph per phase), and its persistent
+# workers (executor=distributed, 4 ranks sharing the GPU). Most important first, each
+# step capped in time and logged, the tables at the end of each log.
+#
+#   bash benchmarks/gpu_peers.sh CIFAR_DIR LOG_DIR
+#
+# pfl must be importable: on a machine without the package registries, carry the wheels
+# of benchmarks/peers/device_wheels.sh and install them first (its header shows how).
+set -u
+data=${1:?CIFAR_DIR}; logs=${2:?LOG_DIR}
+here=$(cd "$(dirname "$0")" && pwd)
+mkdir -p "$logs"
+export PYTHONUNBUFFERED=1
+step() {  # step NAME SECONDS COMMAND...: run it with a time cap, log to LOG_DIR/NAME.log
+    local name=$1 cap=$2; shift 2
+    echo "=== $name ($(date +%T), cap ${cap}s): $*"
+    local start=$SECONDS
+    timeout "$cap" "$@" > "$logs/$name.log" 2>&1
+    local rc=$?
+    tail -n 30 "$logs/$name.log"
+    echo "=== $name: exit $rc after $((SECONDS - start)) s"
+}
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
+python3 -c "import torch, importlib.metadata as m; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(0), '| pfl', m.version('pfl'))"
+contrafl=("device=cuda" "device=cuda pad_finished_clients=true" "device=cuda executor=distributed workers=4")
+for shape in device silo; do
+    step "pfl_$shape" $([ $shape = device ] && echo 420 || echo 150) python3 "$here/peers/pfl_research.py" \
+        --data-dir "$data" --shape $shape --seeds 1 --configs single torchrun --processes 2 4 \
+        --contrafl "${contrafl[@]}" --work "/tmp/contrafl-peers/gpu-$shape" --json "$logs/pfl_$shape.json"
+done
