@@ -59,14 +59,13 @@ from ..cores import cpu_cores
 from ..errors import ContraflError, one_line
 from .partial import restore, summed
 from .progress import RoundWork
-from .signals import detach_from_signals, stop_point
+from .signals import POLL_S, detach_from_signals, stop_point
 
 if TYPE_CHECKING:
     from ..config import Config
     from .setup import Setup
     from .simulation import ClientOutcome, Scores, Simulation, StateDict
 
-POLL_S = 0.1  # how often rank 0 looks for a stop request (and draws its progress) while it waits for a worker
 REPORT_S = 0.5  # how often a worker adds its local steps to rank 0's counter
 TIMEOUT = datetime.timedelta(minutes=30)  # the process group's: a worker lost for this long ends the run
 SLACK = 0.1  # a client stays on the worker that holds its state while that worker's load stays within 1.1x the mean

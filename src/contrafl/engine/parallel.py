@@ -28,9 +28,8 @@ from torch.utils import _pytree as pytree
 from ..algorithms.base import TrainResult
 from ..errors import ContraflError, one_line
 from .executor import Job, SequentialExecutor, StepsDone, Workload
-from .signals import detach_from_signals, stop_point
+from .signals import POLL_S, detach_from_signals, stop_point
 
-POLL_S = 0.1  # how often the parent looks for a stop request while it waits for its workers
 
 
 def balance(steps: list[int], workers: int) -> list[list[int]]:

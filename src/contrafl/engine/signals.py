@@ -28,6 +28,7 @@ import sys
 import threading
 from collections.abc import Iterator
 
+POLL_S = 0.1  # how often a process waiting for its workers looks for a stop request (a stop's latency)
 HANDLED = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))  # no SIGHUP on Windows
 
 _requested: int | None = None  # the signal of the first stop request not yet acted on
