@@ -183,6 +183,16 @@ def test_spawned_workers_where_fork_is_unsafe_equal_forked_ones_bit_for_bit(tmp_
         prepare(load_config(None, [*MOON, "executor=parallel"]))
 
 
+def test_default_ranks_are_the_cores_but_no_more_than_a_rounds_clients(monkeypatch):
+    """On 8 cores, 3 clients a round: 3 ranks (none started to stay idle); `workers`
+    set is kept; the parallel executor keeps the cores."""
+    monkeypatch.setattr("contrafl.engine.setup.cpu_cores", lambda: 8)
+    assert prepare(load_config(None, [*MOON, "executor=distributed"])).config.workers == 3
+    assert prepare(load_config(None, [*MOON, "executor=auto"])).config.workers == 3
+    assert prepare(load_config(None, [*MOON, "executor=distributed", "workers=5"])).config.workers == 5
+    assert prepare(load_config(None, [*MOON, "executor=parallel"])).config.workers == 8
+
+
 def test_another_executor_under_torchrun_is_one_line(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")

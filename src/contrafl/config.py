@@ -151,7 +151,7 @@ class Config:
     )
     workers: int | None = P.param(
         None, P.Interval(1, None),
-        "processes of the parallel executor, or ranks of the distributed one, the server's included (auto: the CPU cores)",
+        "processes of the parallel executor, or ranks of the distributed one, the server's included (auto: the CPU cores; for the distributed executor at most the clients of a round)",
     )
     device: str = P.param("auto", P.OneOf(("auto", "cpu", "cuda")), "where training runs")
     precision: str = P.param(

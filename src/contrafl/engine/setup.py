@@ -35,6 +35,7 @@ from ..models.registry import model_spec as lookup_model, split_options
 from ..models.base import FedModel
 from ..rng import derive_seed
 from .distributed import can_fork, launched
+from .sampling import clients_per_round
 from .privacy import MODES, DPParams
 
 
@@ -227,7 +228,7 @@ def resolve(cfg: Config) -> Config:
     if executor == "distributed" and launched() is not None:  # the ranks torchrun started
         workers = launched()[1]
     else:
-        workers = (cfg.workers or cpu_cores()) if executor in ("parallel", "distributed") else 1
+        workers = cfg.workers or default_workers(cfg, executor)
     return dataclasses.replace(cfg, executor=executor, workers=workers)
 
 
@@ -308,6 +309,18 @@ def resolve_augment(name: str, spec: DatasetSpec, algo_cls: type[Algorithm]) -> 
             "or augment=none to train on identical views"
         )
     return spec.ssl_augment
+
+
+def default_workers(cfg: Config, executor: str) -> int:
+    """The processes of ``executor`` when ``workers`` is not set: the CPU cores for the
+    parallel and distributed executors, for the distributed one at most the clients a
+    round trains (a rank beyond them would be started, joined and never given a client;
+    the ranks share the cores), 1 for the others."""
+    if executor == "parallel":
+        return cpu_cores()
+    if executor == "distributed":
+        return min(cpu_cores(), clients_per_round(cfg.num_clients, cfg.sample_fraction))
+    return 1
 
 
 def choose_executor(cfg: Config, algo_cls: type[Algorithm], device: torch.device) -> str:
