@@ -274,7 +274,7 @@ class VectorizedExecutor:
             y = w.y[r]
             for stage, ks, state, uses, stage_noise in zip(phase.stages, keys, st.opt_states, used, st.noise):
                 trained = {role for role, _ in ks}
-                ts = [st.params[r][k] for r, k in ks]
+                ts = [st.params[role][k] for role, k in ks]
                 for rep in range(stage.repeat):
                     bufs = {role: {k: v[:a] for k, v in sd.items()} for role, sd in st.buffers.items()}
                     fz = slice_tree(st.frozen, st.frozen_dims, a)
