@@ -18,19 +18,7 @@
 set -u
 data=${1:?CIFAR_DIR}; pfllib=${2:?PFLLIB_CHECKOUT or -}; logs=${3:?LOG_DIR}
 here=$(cd "$(dirname "$0")" && pwd)
-mkdir -p "$logs"
-export PYTHONUNBUFFERED=1
-step() {  # step NAME SECONDS COMMAND...: run it with a time cap, log to LOG_DIR/NAME.log
-    local name=$1 cap=$2; shift 2
-    echo "=== $name ($(date +%T), cap ${cap}s): $*"
-    local start=$SECONDS
-    timeout "$cap" "$@" > "$logs/$name.log" 2>&1
-    local rc=$?
-    tail -n 25 "$logs/$name.log"
-    echo "=== $name: exit $rc after $((SECONDS - start)) s"
-}
-nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
-python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(0))"
+. "$here/_steps.sh"
 
 step cuda_tests 150 python3 -m pytest -q -p no:cacheprovider "$here/../tests/test_cuda.py" \
     "$here/../tests/test_augment.py" "$here/../tests/test_representation.py" -k "cuda"

@@ -14,19 +14,9 @@
 set -u
 data=${1:?CIFAR_DIR}; logs=${2:?LOG_DIR}
 here=$(cd "$(dirname "$0")" && pwd)
-mkdir -p "$logs"
-export PYTHONUNBUFFERED=1
-step() {  # step NAME SECONDS COMMAND...: run it with a time cap, log to LOG_DIR/NAME.log
-    local name=$1 cap=$2; shift 2
-    echo "=== $name ($(date +%T), cap ${cap}s): $*"
-    local start=$SECONDS
-    timeout "$cap" "$@" > "$logs/$name.log" 2>&1
-    local rc=$?
-    tail -n 30 "$logs/$name.log"
-    echo "=== $name: exit $rc after $((SECONDS - start)) s"
-}
-nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
-python3 -c "import torch, importlib.metadata as m; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(0), '| pfl', m.version('pfl'))"
+STEP_TAIL=30  # the tables at the end of each log
+. "$here/_steps.sh"
+python3 -c "import importlib.metadata as m; print('pfl', m.version('pfl'))"
 contrafl=("device=cuda" "device=cuda pad_finished_clients=true" "device=cuda executor=distributed workers=4")
 for shape in device silo; do
     step "pfl_$shape" $([ $shape = device ] && echo 420 || echo 150) python3 "$here/peers/pfl_research.py" \
