@@ -2,10 +2,10 @@
 # Issue #36 item 6 on one GPU, in one call: contrafl against pfl-research (pfl 0.6.0) on
 # equal work (checked: benchmarks/peers/pfl_research.py), both shapes, one seed. pfl
 # in one process and with 2 and 4 processes sharing the GPU (its docs' advice for small
-# models); contrafl's vectorized executor with CUDA graphs (executor=auto on a GPU), the
-# same with the finished clients padded (one graph per phase), and its persistent
-# workers (executor=distributed, 4 ranks sharing the GPU). Most important first, each
-# step capped in time and logged, the tables at the end of each log.
+# models); contrafl's vectorized executor with CUDA graphs (executor=auto on a GPU) and
+# its persistent workers (executor=distributed, 4 ranks sharing the GPU). The device
+# shape first; each step capped in time (about 9 minutes in all) and logged, the tables
+# at the end of each log.
 #
 #   bash benchmarks/gpu_peers.sh CIFAR_DIR LOG_DIR
 #
@@ -17,9 +17,9 @@ here=$(cd "$(dirname "$0")" && pwd)
 STEP_TAIL=30  # the tables at the end of each log
 . "$here/_steps.sh"
 python3 -c "import importlib.metadata as m; print('pfl', m.version('pfl'))"
-contrafl=("device=cuda" "device=cuda pad_finished_clients=true" "device=cuda executor=distributed workers=4")
+contrafl=("device=cuda" "device=cuda executor=distributed workers=4")
 for shape in device silo; do
-    step "pfl_$shape" $([ $shape = device ] && echo 420 || echo 150) python3 "$here/peers/pfl_research.py" \
+    step "pfl_$shape" $([ $shape = device ] && echo 360 || echo 150) python3 "$here/peers/pfl_research.py" \
         --data-dir "$data" --shape $shape --seeds 1 --configs single torchrun --processes 2 4 \
         --contrafl "${contrafl[@]}" --work "/tmp/contrafl-peers/gpu-$shape" --json "$logs/pfl_$shape.json"
 done
