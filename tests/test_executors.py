@@ -223,6 +223,21 @@ def test_epoch_snapshots_and_two_stages(drop_last):
     _compare(stages, SGD(0.05, 0.9), extra, drop_last=drop_last)
 
 
+def test_a_client_with_partial_batches_budgets_the_gathered_group():
+    """With partial last batches (drop_last=false) a mixed step gathers a group's state:
+    the chunk budget counts a copy of a client's parameters, optimiser state and
+    buffers more, as padding does."""
+    model = _model()
+    params, buffers = _split(model)
+    workload = Workload.single(*_data()[:3], FunctionalNet(model), [Stage(supervised)], SGD(0.1, 0.9))
+    full = _jobs(params, buffers)[3][0]
+    partial = _jobs(params, buffers, drop_last=False)[3][0]
+    plain, padded = VectorizedExecutor(workload, 2**30), VectorizedExecutor(workload, 2**30, pad_finished=True)
+    copy = 2 * sum(v.numel() * v.element_size() for v in params.values()) + sum(v.numel() * v.element_size() for v in buffers.values())
+    assert padded.client_bytes(full) - plain.client_bytes(full) == copy  # no frozen models here
+    assert plain.client_bytes(partial) == padded.client_bytes(partial)
+
+
 def test_chunking_by_memory_gives_the_same_results():
     model = _model()
     params, buffers = _split(model)

@@ -146,9 +146,12 @@ class VectorizedExecutor:
         task = job.task
         params = state_bytes(task.params)
         per_client = 4 * params + state_bytes(task.buffers)  # params, grads, optimiser state, update temporaries
+        frozen = sum(state_bytes(v) for v in task.frozen.values())
         if self.pad_finished:  # the step's copies of the parameters, optimiser state and buffers
             per_client += 2 * params + state_bytes(task.buffers)
-        per_client += sum(state_bytes(v) for v in task.frozen.values())
+        elif any(len(set(plan.sizes)) > 1 for plan in job.plans):  # a mixed step's gathered group (drop_last=false)
+            per_client += 2 * params + state_bytes(task.buffers) + frozen
+        per_client += frozen
         per_client += sum(plan.order.numel() for plan in job.plans) * 8
         return per_client + 2 * saved_bytes_of_step(self.workload, job)
 
