@@ -16,7 +16,7 @@ data=${1:?CIFAR_DIR}; logs=${2:?LOG_DIR}
 here=$(cd "$(dirname "$0")" && pwd)
 STEP_TAIL=30  # the tables at the end of each log
 . "$here/_steps.sh"
-python3 -c "import importlib.metadata as m; print('pfl', m.version('pfl'))"
+python3 -c "import importlib.metadata as m; print('pfl', m.version('pfl'))" || { echo "pfl is not installed: see benchmarks/peers/device_wheels.sh"; exit 2; }
 contrafl=("device=cuda" "device=cuda executor=distributed workers=4")
 for shape in device silo; do
     step "pfl_$shape" $([ $shape = device ] && echo 360 || echo 150) python3 "$here/peers/pfl_research.py" \
