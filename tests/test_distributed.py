@@ -270,10 +270,14 @@ def test_rank_0s_progress_counts_the_workers_steps(tmp_path, monkeypatch):
         ["client_dropout=0.3"],
         ["algorithm=fedprox", "drop_last=false", "client_speed=uniform:2,8", "round_deadline=1", "stragglers=partial"],
         ["algorithm=fedavg", "dp=local", "dp.clip=1", "dp.noise_multiplier=0.3", "dp.noise=reproducible", "on_bad_update=skip"],
+        ["algorithm=fedavg", "dp=central", "dp.clip=1", "dp.noise_multiplier=0.3", "dp.noise=reproducible"],
     ],
-    ids=["dropout", "stragglers", "local-dp"],
+    ids=["dropout", "stragglers", "local-dp", "central-dp"],
 )
-def test_dropout_stragglers_and_local_dp_are_the_sequential_executors(tmp_path, settings):
+def test_dropout_stragglers_and_dp_are_the_sequential_executors(tmp_path, settings):
+    """Each worker's clients' replies travel one by one where a setting looks at single
+    updates (DP: clipped, and noised, on rank 0 for central DP, on the client's rank for
+    local DP): the metrics are the sequential executor's."""
     rows = {}
     for executor in (["executor=sequential"], ["executor=distributed", "workers=2"]):
         cfg = load_config(None, [*MOON, *settings, *executor])
