@@ -4,7 +4,11 @@ lead somewhere."""
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).parents[1]
 README = (ROOT / "README.md").read_text()
@@ -36,3 +40,35 @@ def test_every_link_within_the_readme_and_to_docs_resolves():
                 assert fragment in {anchor(h) for h in re.findall(r"^#+ (.+)$", (ROOT / path).read_text(), flags=re.M)}, target
         else:
             assert fragment in anchors, target
+
+
+SPAWNED = (  # the distributed executor's workers spawned, as on macOS and Windows
+    "import contrafl.engine.distributed as distributed, contrafl.engine.setup as setup\n"
+    "distributed.can_fork = setup.can_fork = lambda: False\n"
+)
+
+
+def python_api_example() -> str:
+    return README.split("## Python API", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+
+
+@pytest.mark.slow
+def test_the_python_api_example_runs_where_workers_are_spawned(tmp_path):
+    """The README's Python API example as a script, where the distributed executor
+    spawns its workers (macOS, Windows; forced here): it prints the final accuracy, and
+    its main-module guard keeps each spawned worker, which imports the script again,
+    from starting a run of its own. Without the guard the script ends at once with an
+    error that names it, instead of waiting for a worker that never joins."""
+    script = tmp_path / "example.py"
+    script.write_text(SPAWNED + python_api_example())
+    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert 0 <= float(done.stdout.split()[-1]) <= 1 and "bootstrapping phase" not in done.stderr
+
+    lines = python_api_example().splitlines()
+    guard = next(i for i, line in enumerate(lines) if line.startswith("if __name__"))
+    script.write_text(SPAWNED + "\n".join(lines[:guard] + [line.removeprefix("    ") for line in lines[guard + 1 :]]))
+    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert 'worker 1 ended (exit code 1) before it joined the run' in done.stderr
+    assert 'under `if __name__ == "__main__":`' in done.stderr.splitlines()[-1]

@@ -329,8 +329,37 @@ def start(sim: Simulation) -> DistributedTransport:
     ]
     for p in transport.workers:
         p.start()
+    try:
+        for rank, p in enumerate(transport.workers, start=1):
+            await_worker(store, rank, p)
+    except BaseException:  # a worker that failed to start, or a stop request: end the others
+        for p in transport.workers:
+            p.kill()
+            p.join()
+        raise
     dist.init_process_group("gloo", store=store, rank=0, world_size=world, timeout=TIMEOUT)
     return transport
+
+
+def joined_key(rank: int) -> str:
+    """The process group store's key a worker sets when it has reached rank 0's store."""
+    return f"contrafl/joined/{rank}"
+
+
+def await_worker(store: dist.Store, rank: int, process: Any) -> None:
+    """Wait until the worker ``process`` (rank ``rank``) has reached ``store``, looking
+    for a stop request every :data:`POLL_S` seconds; a worker that ends before (a spawned
+    worker whose start fails: its error is printed above) raises :class:`WorkerError`
+    at once, where the process group would wait for it for :data:`TIMEOUT`."""
+    while not store.check([joined_key(rank)]):
+        process.join(POLL_S)
+        if not process.is_alive():
+            raise WorkerError(
+                f"worker {rank} ended (exit code {process.exitcode}) before it joined the run (its error is above); "
+                "where workers are spawned (macOS, Windows, GPUs), a script that starts contrafl must do so under "
+                "`if __name__ == \"__main__\":`, since each worker imports the script again"
+            )
+        stop_point()
 
 
 # -- ranks 1 .. W-1 ------------------------------------------------------------------
@@ -370,6 +399,7 @@ def _forked_worker(setup: Setup, port: int, rank: int, world: int) -> None:
     detach_from_signals()
     torch.set_num_threads(max(1, cpu_cores() // world))
     store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=TIMEOUT)
+    store.set(joined_key(rank), "1")
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=TIMEOUT)
     serve(Simulation(setup), store)
 
