@@ -12,7 +12,7 @@
 # pfl must be importable: on a machine without the package registries, carry the wheels
 # of benchmarks/peers/device_wheels.sh and install them first (its header shows how).
 set -u
-data=${1:?CIFAR_DIR}; logs=${2:?LOG_DIR}
+data=$(cd "${1:?CIFAR_DIR}" && pwd) || exit 2; logs=${2:?LOG_DIR}  # the data by its absolute path: the programs run in their own folders
 here=$(cd "$(dirname "$0")" && pwd)
 STEP_TAIL=30  # the tables at the end of each log
 . "$here/_steps.sh"
