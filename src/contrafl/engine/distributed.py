@@ -302,8 +302,9 @@ class DistributedTransport:
 
 def start(sim: Simulation) -> DistributedTransport:
     """The transport of ``sim``'s run: over the process group ``torchrun`` made (this
-    process is rank 0), or over ``workers`` processes (default: the cores) forked now on
-    127.0.0.1, each with ``cores // workers`` threads, as this process while it trains
+    process is rank 0), or over ``workers`` processes (:func:`~contrafl.engine.setup.
+    default_workers`) started now on 127.0.0.1 (forked where :func:`can_fork`, else
+    spawned), each with ``cores // workers`` threads, as this process while it trains
     its share (it takes all the cores again for the rest: aggregation, evaluation)."""
     env = launched()
     if env is not None:
