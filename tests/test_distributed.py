@@ -193,6 +193,27 @@ def test_default_ranks_are_the_cores_but_no_more_than_a_rounds_clients(monkeypat
     assert prepare(load_config(None, [*MOON, "executor=parallel"])).config.workers == 8
 
 
+def test_a_worker_that_ends_before_it_joins_is_one_error_at_once(monkeypatch):
+    """Rank 0 does not wait for a worker that has ended: the error names its exit code,
+    and the main-module guard only when a script of the user's started the run (not
+    contrafl's command line)."""
+    import multiprocessing
+    import types
+
+    store = torch.distributed.HashStore()
+    gone = multiprocessing.get_context("fork").Process(target=sys.exit, args=(3,))
+    gone.start()
+    gone.join()
+    with pytest.raises(distributed.WorkerError, match=r"^worker 1 ended \(exit code 3\) before it joined the run .*__main__"):
+        distributed.await_worker(store, 1, gone)
+    monkeypatch.setitem(sys.modules, "__main__", types.SimpleNamespace(__spec__=None, __file__="/venv/bin/contrafl"))
+    with pytest.raises(distributed.WorkerError) as raised:
+        distributed.await_worker(store, 1, gone)
+    assert "__main__" not in str(raised.value)
+    store.set(distributed.joined_key(2), "1")
+    distributed.await_worker(store, 2, gone)  # joined: no wait, whatever became of it since
+
+
 def test_another_executor_under_torchrun_is_one_line(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")

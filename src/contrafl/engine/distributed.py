@@ -355,12 +355,20 @@ def await_worker(store: dist.Store, rank: int, process: Any) -> None:
     while not store.check([joined_key(rank)]):
         process.join(POLL_S)
         if not process.is_alive():
-            raise WorkerError(
-                f"worker {rank} ended (exit code {process.exitcode}) before it joined the run (its error is above); "
-                "where workers are spawned (macOS, Windows, GPUs), a script that starts contrafl must do so under "
-                "`if __name__ == \"__main__\":`, since each worker imports the script again"
-            )
+            raise WorkerError(f"worker {rank} ended (exit code {process.exitcode}) before it joined the run (its error is above){_guard_hint()}")
         stop_point()
+
+
+def _guard_hint() -> str:
+    """What a script of the user's that started the run must do where workers are
+    spawned (a spawned worker imports the main module again); nothing under contrafl's
+    own command line."""
+    main = sys.modules.get("__main__")
+    name = getattr(getattr(main, "__spec__", None), "name", None) or ""
+    if name.startswith("contrafl") or os.path.basename(getattr(main, "__file__", None) or "").startswith("contrafl"):
+        return ""
+    return ("; where workers are spawned (macOS, Windows, GPUs), a script that starts contrafl must do so under "
+            "`if __name__ == \"__main__\":`, since each worker imports the script again")
 
 
 # -- ranks 1 .. W-1 ------------------------------------------------------------------
