@@ -55,7 +55,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ..algorithms.base import Phase
-from ..cores import cpu_cores
+from ..cores import cores_each
 from ..errors import ContraflError, one_line
 from .partial import restore, summed
 from .progress import RoundWork
@@ -317,7 +317,7 @@ def start(sim: Simulation) -> DistributedTransport:
             dist.init_process_group("gloo", timeout=TIMEOUT)
         return DistributedTransport(sim, env[1], dist.distributed_c10d._get_default_store())
     world = sim.cfg.workers or 1
-    transport = DistributedTransport(sim, world, rank_threads=max(1, cpu_cores() // world))
+    transport = DistributedTransport(sim, world, rank_threads=cores_each(world))
     if world == 1:
         return transport
     store = transport.store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, timeout=TIMEOUT, wait_for_workers=False)
@@ -406,7 +406,7 @@ def _forked_worker(setup: Setup, port: int, rank: int, world: int) -> None:
     from .simulation import Simulation
 
     detach_from_signals()
-    torch.set_num_threads(max(1, cpu_cores() // world))
+    torch.set_num_threads(cores_each(world))
     store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=TIMEOUT)
     store.set(joined_key(rank), "1")
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=TIMEOUT)

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, TypeVar
 import torch
 from torch.utils import _pytree as pytree
 
-from ..cores import cpu_cores
+from ..cores import cores_each
 from .distributed import launched
 from .executor import Job, SequentialExecutor
 from .parallel import ParallelExecutor, balance
@@ -278,7 +278,7 @@ def _distributed(cal: Calibration, world: int, per_round: list[list[int]]) -> tu
     where contrafl starts the ranks, torchrun's own otherwise) times the busiest rank's
     steps of every round (the ranks start once, with the run)."""
     if launched() is None:
-        torch.set_num_threads(max(1, cpu_cores() // world))
+        torch.set_num_threads(cores_each(world))
     step, measured = cal.client_step()
     return step * sum(_busiest(per_round, world)), measured
 

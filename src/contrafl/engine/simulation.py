@@ -60,6 +60,7 @@ from ..rng import derive_seed, generator
 from ..speeds import client_speeds, round_speed, step_budget
 from .run_dir import CHECKPOINT, RunDir
 from .sampling import sample_schedule, secret_sample
+from ..cores import cores_each
 from .setup import Setup, choose_executor, cpu_cores
 from .signals import interrupts, signal_name, stop_point
 from .tracking import Tracking, open_tracking
@@ -170,7 +171,7 @@ def make_executor(name: str, workload: Workload, cfg: Config):
         return VectorizedExecutor(workload, cfg.vectorize_memory_gb * 2**30, cfg.cuda_graphs, cfg.pad_finished_clients)
     if name == "parallel":
         workers = cfg.workers or cpu_cores()
-        return ParallelExecutor(workload, workers, threads=max(1, cpu_cores() // workers))
+        return ParallelExecutor(workload, workers, threads=cores_each(workers))
     return SequentialExecutor(workload)
 
 

@@ -24,6 +24,7 @@ from .. import params as P
 from ..config import Config
 from ..engine.run_dir import RunDir, read_summary
 from ..engine.sampling import clients_per_round
+from ..cores import cores_each
 from ..engine.setup import cpu_cores, prepare
 from ..errors import ConfigError, one_line
 from ..files import write_atomic
@@ -211,7 +212,7 @@ def shared_cores(num_nodes: int) -> list[dict[str, int | str]]:
     """Node configs for ``num_nodes`` SuperNodes on this machine: each client's torch
     gets an equal share of the cores (more threads than cores make every client wait
     for the others' spinning threads)."""
-    return [{"threads": max(1, cpu_cores() // num_nodes)} for _ in range(num_nodes)]
+    return [{"threads": cores_each(num_nodes)} for _ in range(num_nodes)]
 
 
 def simulator_threads(cfg: Config) -> int:
@@ -219,7 +220,7 @@ def simulator_threads(cfg: Config) -> int:
     on this machine: what SuperNodes need (node config ``threads``) for the simulator's
     numbers bit for bit."""
     if cfg.executor in ("parallel", "distributed"):
-        return max(1, cpu_cores() // (cfg.workers or cpu_cores()))
+        return cores_each(cfg.workers or cpu_cores())
     return torch.get_num_threads()
 
 
