@@ -326,8 +326,9 @@ def default_workers(cfg: Config, executor: str) -> int:
 def choose_executor(cfg: Config, algo_cls: type[Algorithm], device: torch.device) -> str:
     """The executor for ``executor=auto`` (``distributed`` under ``torchrun``).
 
-    On CUDA: the vectorized executor for algorithms that support it. On a multi-core CPU, when a round trains at least two clients:
-    the distributed executor, one rank per core, each training one client at a time
+    On CUDA: the vectorized executor for algorithms that support it. On a multi-core
+    CPU, when a round trains at least two clients (:func:`~contrafl.engine.sampling.
+    clients_per_round`): the distributed executor, each rank training one client at a time
     (batched per-client convolutions are slower than one client at a time on a CPU, and
     one client's small operations do not use many cores well). Measured on 2 cores
     against the parallel executor, which forks its workers every round: as fast or
@@ -360,7 +361,7 @@ def choose_executor(cfg: Config, algo_cls: type[Algorithm], device: torch.device
         return cfg.executor
     if device.type == "cuda":
         return "vectorized" if can_vectorize else "sequential"
-    if cpu_cores() > 1 and cfg.num_clients * cfg.sample_fraction >= 2:
+    if cpu_cores() > 1 and clients_per_round(cfg.num_clients, cfg.sample_fraction) >= 2:
         return "distributed"
     return "sequential"
 

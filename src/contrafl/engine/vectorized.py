@@ -307,17 +307,16 @@ class VectorizedExecutor:
         # each step's shape: (clients, batch size) where all its active clients have
         # batches of one size (a graph's key), else None: its clients' partial last
         # batches (drop_last=false) are trained in groups of one size, eagerly
+        active = [sum(1 for n in steps if n > s) for s in range(S)]  # clients still training: a prefix of the stack
         shapes: list[tuple[int, int] | None] = []
-        for s in range(S):
-            a = sum(1 for n in steps if n > s)
+        for s, a in enumerate(active):
             at_s = {sizes[i][s] for i in range(a)}
             shapes.append(((K if pad else a), at_s.pop()) if len(at_s) == 1 else None)
         left: dict[Any, int] = {}  # steps of each shape from step s on (a graph's replays)
         remaining = [0] * S
         for s in reversed(range(S)):
             left[shapes[s]] = remaining[s] = left.get(shapes[s], 0) + 1
-        for s in range(S):
-            a = sum(1 for n in steps if n > s)
+        for s, a in enumerate(active):
             batch_rows[:a].copy_(rows[:a, s])
             for view, dst in zip(augs, batch_augs):
                 for k, v in view.items():
