@@ -4,7 +4,7 @@
 # in one process and with 2 and 4 processes sharing the GPU (its docs' advice for small
 # models); contrafl's vectorized executor with CUDA graphs (executor=auto on a GPU) and
 # its persistent workers (executor=distributed, 4 ranks sharing the GPU). The device
-# shape first; each step capped in time (about 9 minutes in all) and logged, the tables
+# shape first; each step capped in time (at most 9.5 minutes in all) and logged, the tables
 # at the end of each log.
 #
 #   bash benchmarks/gpu_peers.sh CIFAR_DIR LOG_DIR
@@ -19,7 +19,7 @@ STEP_TAIL=30  # the tables at the end of each log
 python3 -c "import importlib.metadata as m; print('pfl', m.version('pfl'))" || { echo "pfl is not installed: see benchmarks/peers/device_wheels.sh"; exit 2; }
 contrafl=("device=cuda" "device=cuda executor=distributed workers=4")
 for shape in device silo; do
-    step "pfl_$shape" $([ $shape = device ] && echo 360 || echo 150) python3 "$here/peers/pfl_research.py" \
+    step "pfl_$shape" $([ $shape = device ] && echo 400 || echo 160) python3 "$here/peers/pfl_research.py" \
         --data-dir "$data" --shape $shape --seeds 1 --configs single torchrun --processes 2 4 \
         --contrafl "${contrafl[@]}" --work "/tmp/contrafl-peers/gpu-$shape" --json "$logs/pfl_$shape.json"
 done

@@ -156,7 +156,7 @@ def test_padded_steps_replay_one_graph_per_phase(tmp_path, step_calls, case):
     step_calls.clear()
     padded = simulate(*args, "cuda_graphs=true", "pad_finished_clients=true")
     assert StepGraphs.failed is None
-    assert {key for _, key, _ in step_calls} == {4}  # one shape: all 4 clients in every step
+    assert {key for _, key, _ in step_calls} == {(4, 8)}  # one shape: all 4 clients, batches of 8, in every step
     assert sum(r for *_, r in step_calls) == len(step_calls) - len({graphs for graphs, _, _ in step_calls}) > 0
     assert_models_close(eager, padded, atol=1e-5)
     for a, b in zip(eager.history, padded.history):

@@ -245,10 +245,12 @@ def jsonl_rows(path: Path) -> list[dict[str, Any]]:
 
 def contrafl_record(run_dir: Path) -> dict[str, Any]:
     """What a contrafl run did, from its run directory: each round's clients and local
-    steps and the test accuracy of every evaluation (``metrics.jsonl``), its partition
-    (``partition.json``) and its config's fingerprint (``summary.json``)."""
+    steps and the test accuracy of every evaluation (``metrics.jsonl``), the seconds of
+    its rounds, evaluations included (``timing.jsonl``), its partition (``partition.json``)
+    and its config's fingerprint (``summary.json``)."""
     rows = jsonl_rows(run_dir / "metrics.jsonl")
     return {
+        "rounds_s": sum(r["seconds"] for r in jsonl_rows(run_dir / "timing.jsonl")),
         "clients": [sorted(r["clients"]) for r in rows],
         "local_steps": [r["local_steps"] for r in rows],
         "test_acc": {int(r["round"]): r["test_acc"] for r in rows if "test_acc" in r},
@@ -260,7 +262,8 @@ def contrafl_record(run_dir: Path) -> dict[str, Any]:
 def peer_record(paths: list[Path]) -> dict[str, Any]:
     """A peer's record, merged over the files its processes wrote (one per pfl rank):
     each round's clients (the union) and local steps (the sum), the accuracies (all
-    processes hold the same ones), the init hash and the largest probe difference."""
+    processes hold the same ones), the init hash, the largest probe difference and the
+    seconds of the rounds (the slowest process's, where the peer measures them)."""
     parts = [json.loads(p.read_text()) for p in paths]
     rounds = len(parts[0]["clients"])
     if any(len(p["clients"]) != rounds for p in parts):
@@ -274,6 +277,7 @@ def peer_record(paths: list[Path]) -> dict[str, Any]:
         "threads": [p.get("threads") for p in parts],
         "processes": len(parts),
         "query_s": parts[0].get("query_s"),
+        "rounds_s": max(p["rounds_s"] for p in parts) if all("rounds_s" in p for p in parts) else None,
     }
 
 
@@ -449,6 +453,7 @@ class Run:
     wall: float
     accuracy: float | None
     steps: int
+    rounds_s: float | None  # the program's own clock, from its first round's start to its last's end
 
 
 def contrafl_program(python: str, settings: str = "") -> Program:
@@ -543,10 +548,11 @@ def run_once(program: Program, spec: dict[str, Any], pair: int, work: Path) -> R
     if problems:
         fail(f"{program.name} did other work than the spec {spec['path']}: " + "; ".join(problems))
     acc, steps = final_accuracy(record), sum(record["local_steps"])
-    print(f"  seed {spec['seed']} pair {pair}: {program.name:<16} {wall:7.1f} s  test accuracy after "
+    in_rounds = f" ({record['rounds_s']:.1f} s in its rounds)" if record.get("rounds_s") is not None else ""
+    print(f"  seed {spec['seed']} pair {pair}: {program.name:<16} {wall:7.1f} s{in_rounds}  test accuracy after "
           f"{max(record['test_acc'])} rounds {acc:.4f}, {steps} local steps, same clients, steps and "
           f"evaluations as the spec{peer_evidence(record)}   (load {load()})")
-    return Run(program.name, spec["seed"], pair, wall, acc, steps)
+    return Run(program.name, spec["seed"], pair, wall, acc, steps, record.get("rounds_s"))
 
 
 def peer_evidence(record: dict[str, Any]) -> str:
@@ -561,11 +567,16 @@ def peer_evidence(record: dict[str, Any]) -> str:
 
 def report(shape: Shape, rounds: int, runs: list[Run], programs: list[str]) -> dict[str, Any]:
     """Print the wall times, medians, ratios to contrafl and the accuracy spread of each
-    program on ``shape``; return them."""
+    program on ``shape``, and the seconds in the rounds (start-up and exit left out) where
+    the programs measure them; return them."""
     base = median([r.wall for r in runs if r.program == programs[0]])
-    print(f"\n=== {shape.name} ({rounds} rounds): wall time from process start to exit, and final test accuracy")
-    print(f"| program | runs (s) | median (s) | / {programs[0]} | per pair | accuracy per seed | accuracy spread |")
-    print("|---|---|---|---|---|---|---|")
+    base_rounds = [r.rounds_s for r in runs if r.program == programs[0]]
+    base_rounds_m = median(base_rounds) if base_rounds and None not in base_rounds else None
+    print(f"\n=== {shape.name} ({rounds} rounds): wall time from process start to exit, the time in the rounds "
+          "(each program's own clock, evaluations included), and final test accuracy")
+    print(f"| program | runs (s) | median (s) | / {programs[0]} | per pair | in rounds, median (s) | / {programs[0]} "
+          "| accuracy per seed | accuracy spread |")
+    print("|---|---|---|---|---|---|---|---|---|")
     out: dict[str, Any] = {"shape": shape.name, "rounds": rounds, "programs": {}}
     for name in programs:
         mine = [r for r in runs if r.program == name]
@@ -573,10 +584,15 @@ def report(shape: Shape, rounds: int, runs: list[Run], programs: list[str]) -> d
         pairs = [r.wall / b.wall for r in mine for b in runs
                  if b.program == programs[0] and (b.seed, b.pair) == (r.seed, r.pair)]
         by_seed = {r.seed: r.accuracy for r in mine}
+        in_rounds = [r.rounds_s for r in mine]
+        rounds_m = median(in_rounds) if None not in in_rounds else None
+        rounds_cells = (f"{rounds_m:.1f} | {rounds_m / base_rounds_m:.2f}x" if rounds_m is not None and base_rounds_m
+                        else "- | -")
         print(f"| {name} | {', '.join(f'{r.wall:.1f}' for r in mine)} | {m:.1f} | {m / base:.2f}x | "
-              f"{min(pairs):.2f}-{max(pairs):.2f}x | {' '.join(f'{a:.3f}' for a in by_seed.values())} | "
+              f"{min(pairs):.2f}-{max(pairs):.2f}x | {rounds_cells} | {' '.join(f'{a:.3f}' for a in by_seed.values())} | "
               f"{spread(list(by_seed.values()))} |")
         out["programs"][name] = {"wall_s": [r.wall for r in mine], "median_s": m, "ratio": m / base,
+                                 "rounds_s": in_rounds, "rounds_median_s": rounds_m,
                                  "pair_ratios": pairs, "accuracy_by_seed": by_seed,
                                  "local_steps": sorted({r.steps for r in mine})}
     return out

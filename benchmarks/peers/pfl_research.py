@@ -154,7 +154,7 @@ def run_pfl(spec_path: Path, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank{rank}.json").write_text(json.dumps({
         "clients": journal.clients, "local_steps": journal.steps, "test_acc": evaluation.accuracy,
-        "threads": torch.get_num_threads(), **evidence,
+        "threads": torch.get_num_threads(), "rounds_s": journal.ended - journal.started, **evidence,
     }))
 
 
@@ -183,14 +183,16 @@ def share_gpus() -> None:
 
 
 class Journal:
-    """What this pfl process did: the users its federated dataset handed out and the
-    local steps (``loss`` calls) of every central iteration."""
+    """What this pfl process did: the users its federated dataset handed out, the local
+    steps (``loss`` calls) of every central iteration, and the seconds from the start of
+    training to the end of the last iteration (its evaluations included)."""
 
     def __init__(self) -> None:
         self.clients: list[list[int]] = []
         self.steps: list[int] = []
         self.users: list[int] = []
         self.loss_calls = 0
+        self.started = self.ended = 0.0
 
     def close_round(self) -> None:
         """File the current iteration's users and steps."""
@@ -199,15 +201,23 @@ class Journal:
         self.users = []
 
     def callback(self) -> Any:
-        """A pfl callback that closes the round after every central iteration."""
+        """A pfl callback that closes the round after every central iteration (the last
+        callback: after the iteration's evaluation)."""
+        import time
+
         from pfl.callback.base import TrainingProcessCallback
         from pfl.metrics import Metrics
 
         journal = self
 
         class JournalCallback(TrainingProcessCallback):
+            def on_train_begin(self, *, model) -> Metrics:
+                journal.started = time.perf_counter()
+                return Metrics()
+
             def after_central_iteration(self, aggregate_metrics, model, *, central_iteration):
                 journal.close_round()
+                journal.ended = time.perf_counter()
                 return False, Metrics()
 
         return JournalCallback()
@@ -217,8 +227,12 @@ def federated_dataset(spec: dict[str, Any], x: Any, y: Any, journal: Journal) ->
     """pfl's federated dataset of the spec's users (contrafl's client rows), each user's
     rows in one random order for the run (pfl's ``Dataset.iter`` does not reshuffle), and
     pfl's ``MinimizeReuseUserSampler`` over contrafl's schedule (it hands the listed ids
-    out in order, so each cohort is contrafl's round; under torchrun each process takes
-    its share of every cohort)."""
+    out in order, so each cohort is contrafl's round). Under torchrun the processes
+    share each cohort balanced by the users' sizes (``user_id_to_weight``, as pfl's own
+    benchmarks of users of unequal sizes set it). This also keeps the cohorts exact: with
+    no weights, each process draws one user for every process at each of its turns, so
+    a cohort the processes do not divide (50 users on 4) takes 52 ids from the list on
+    some processes and shifts every later round."""
     import numpy as np
     from pfl.data.dataset import Dataset
     from pfl.data.federated_dataset import FederatedDataset
@@ -234,7 +248,8 @@ def federated_dataset(spec: dict[str, Any], x: Any, y: Any, journal: Journal) ->
         return Dataset(raw_data=list(users[user_id]), user_id=str(user_id))
 
     sampler = MinimizeReuseUserSampler([uid for cohort in spec["schedule"] for uid in cohort])
-    return FederatedDataset(make_dataset, sampler)
+    weights = {uid: len(rows) for uid, rows in enumerate(spec["clients"])}
+    return FederatedDataset(make_dataset, sampler, user_id_to_weight=weights)
 
 
 def classifier(net: Any, journal: Journal) -> Any:
