@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
+
 from .base import Reply, StateDict
 
 
@@ -22,13 +24,13 @@ def weighted_average(states: Sequence[StateDict], weights: Sequence[float]) -> S
     reference code does); integer entries (BatchNorm's ``num_batches_tracked``) are
     averaged in float64 and truncated, as loading MOON's averaged state dict does.
     """
-    out: StateDict = {}
-    for key, first in states[0].items():
-        if first.is_floating_point():
-            acc = first * weights[0]
-            for state, w in zip(states[1:], weights[1:]):
-                acc.add_(state[key], alpha=w)
-        else:
-            acc = sum(float(w) * s[key].double() for s, w in zip(states, weights)).to(first.dtype)
-        out[key] = acc
-    return out
+    floats = [key for key, first in states[0].items() if first.is_floating_point()]
+    acc = torch._foreach_mul([states[0][key] for key in floats], weights[0]) if floats else []
+    for state, w in zip(states[1:] if floats else [], weights[1:]):  # one fused add_ per client
+        torch._foreach_add_(acc, [state[key] for key in floats], alpha=w)
+    summed = dict(zip(floats, acc))
+    return {
+        key: summed[key] if key in summed
+        else sum(float(w) * s[key].double() for s, w in zip(states, weights)).to(first.dtype)
+        for key, first in states[0].items()
+    }

@@ -386,7 +386,9 @@ class Simulation:
 
     def plans(self, cid: int, t: int, phases: list[Phase], task: LocalTask) -> list[ClientPlan]:
         """Client ``cid``'s batches of every phase of round ``t``, drawn one phase after
-        the other from the client's stream of the round."""
+        the other from the client's stream of the round, on the run's device; for the
+        vectorized executor on the CPU, where it gathers all its clients' batches into
+        one tensor that it moves to the device in one copy."""
         cfg = self.cfg
         g = generator(cfg.seed, "plan", t, cid)
         plans = []
@@ -395,7 +397,7 @@ class Simulation:
             batch = phase.batch_size or cfg.batch_size
             samplers = [view_transform(self.setup.train_transform, v).sample for v in range(self.algorithm.views)]
             plan = make_plan(self.rows[cid], epochs, batch, cfg.drop_last, samplers, self.algorithm.views, g)
-            plans.append(plan.to(self.device))
+            plans.append(plan if self.executor_name == "vectorized" else plan.to(self.device))
         return plans
 
     def planned_steps(self, cid: int, phases: list[Phase]) -> int:

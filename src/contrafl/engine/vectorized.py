@@ -87,7 +87,8 @@ def stack_trees(trees: list[Any], force: bool = False) -> tuple[Any, Any]:
             out.append(leaf)
             dims.append(None)
         else:
-            out.append(torch.stack([c.detach() for c in column]))
+            with torch.no_grad():  # one operation per leaf, not one detach per client
+                out.append(torch.stack(column))
             dims.append(0)
     return pytree.tree_unflatten(out, spec), pytree.tree_unflatten(dims, spec)
 
@@ -97,9 +98,17 @@ def slice_tree(tree: Any, dims: Any, a: int) -> Any:
     return pytree.tree_map(lambda x, d: x[:a] if d == 0 else x, tree, dims)
 
 
-def unstack(tree: Any, dims: Any, i: int) -> Any:
-    """Client ``i``'s slice of a stacked tree, copied so it owns its storage."""
-    return pytree.tree_map(lambda x, d: x[i].clone() if d == 0 else x, tree, dims)
+def unstack(tree: Any, n: int) -> list[Any]:
+    """The ``n`` clients' slices of a tree whose tensors are all stacked, each copied so
+    it owns its storage: one ``unbind`` per tensor and one copy per client (indexing
+    client by client would add a select per tensor and client: on a GPU, each operation
+    costs host time)."""
+    leaves, spec = pytree.tree_flatten(tree)
+    columns = [leaf.unbind(0) if isinstance(leaf, torch.Tensor) else None for leaf in leaves]
+    return [
+        pytree.tree_unflatten([leaf if c is None else c[i].clone() for leaf, c in zip(leaves, columns)], spec)
+        for i in range(n)
+    ]
 
 
 def saved_bytes_of_step(workload: Workload, job: Job) -> int:
@@ -222,11 +231,10 @@ class VectorizedExecutor:
         used = used_parameters(w, jobs[0], p)
 
         S = max(steps) if steps else 0
-        rows = torch.zeros(K, S, B, dtype=torch.long, device=w.x.device)
-        augs = [
-            {k: torch.zeros((K, S, B) + v.shape[1:], dtype=v.dtype, device=w.x.device) for k, v in view.items()}
-            for view in jobs[0].plans[p].aug
-        ]
+        # every step's rows and augmentation parameters, filled where the plans are (on
+        # the CPU) and moved to the device in one copy each, not one per client
+        rows = torch.zeros(K, S, B, dtype=torch.long)
+        augs = [{k: torch.zeros((K, S, B) + v.shape[1:], dtype=v.dtype) for k, v in view.items()} for view in jobs[0].plans[p].aug]
         for i, job in enumerate(jobs):
             plan = job.plans[p]
             at = _batch_positions(plan, B)
@@ -234,6 +242,8 @@ class VectorizedExecutor:
             for view, dst in zip(plan.aug, augs):
                 for k, v in view.items():
                     dst[k][i, : plan.steps] = v[at]
+        rows = rows.to(w.x.device)
+        augs = [{k: v.to(w.x.device) for k, v in view.items()} for view in augs]
 
         # the batch and noise of the current step, at fixed addresses: a step reads only
         # these and the stacked state, so that it can be replayed as a CUDA graph
@@ -345,14 +355,14 @@ class VectorizedExecutor:
                         for k, v in {**params[role], **buffers[role]}.items():
                             frozen[name][k][i].copy_(v[i])
 
-        for i, c in enumerate(current):
-            c.params = {role: {k: v[i].detach().clone() for k, v in sd.items()} for role, sd in params.items()}
-            c.buffers = {role: {k: v[i].clone() for k, v in sd.items()} for role, sd in buffers.items()}
-            c.frozen = {**c.frozen, **{name: {k: v[i].clone() for k, v in frozen[name].items()} for name in frozen_snap}}
-            c.opt_states[where] = [pytree.tree_map(lambda x: x[i].clone(), st) for st in opt_states]
-            if steps[i]:
-                for k, v in totals.items():
-                    c.stats[k] = c.stats[k] + v[i] if k in c.stats else v[i].clone()
+        out = zip(unstack(params, K), unstack(buffers, K), unstack({name: frozen[name] for name in frozen_snap}, K),
+                  unstack(opt_states, K), unstack(totals, K))
+        for c, n, (p_i, b_i, snaps_i, opt_i, totals_i) in zip(current, steps, out):
+            c.params, c.buffers, c.frozen = p_i, b_i, {**c.frozen, **snaps_i}
+            c.opt_states[where] = opt_i
+            if n:
+                for k, v in totals_i.items():
+                    c.stats[k] = c.stats[k] + v if k in c.stats else v
 
     def _grad_fn(self, stage: Stage, frozen_dims: Any, consts_dims: Any, other_roles: list[str]) -> Callable:
         key = (id(stage.loss), repr(frozen_dims), repr(consts_dims), tuple(other_roles))
