@@ -163,6 +163,28 @@ def test_padded_steps_replay_one_graph_per_phase(tmp_path, step_calls, case):
         assert b["train_loss"] == pytest.approx(a["train_loss"], rel=1e-5)
 
 
+@pytest.mark.usefixtures("no_tf32")
+def test_mixed_steps_replay_their_largest_group(tmp_path, step_calls):
+    """``drop_last=false`` with clients of unequal sizes: in the steps where some
+    clients take their partial last batch, the largest group is replayed as a graph
+    masked to it (keys ``(clients, batch size, "masked")``), and the run ends as with
+    eager steps, where every group is trained apart."""
+    from contrafl.engine.cuda_graphs import StepGraphs
+
+    write_cifar10(tmp_path / "cifar-10-batches-py", rows=512, test_rows=16)
+    args = [f"data_dir={tmp_path}", "dataset=cifar10", "allow_subset=true", "batch_size=24", "drop_last=false",
+            "local_epochs=4", "partition=dirichlet", "partition.beta=0.5", "device=cuda", "executor=vectorized",
+            *GRAPHED["moon-fp32"]]
+    eager = simulate(*args, "cuda_graphs=false")
+    step_calls.clear()
+    graphed = simulate(*args, "cuda_graphs=true")
+    assert StepGraphs.failed is None
+    assert any(key[-1] == "masked" and replayed for _, key, replayed in step_calls)
+    assert_models_close(eager, graphed, atol=1e-5)
+    for a, b in zip(eager.history, graphed.history):
+        assert b["train_loss"] == pytest.approx(a["train_loss"], rel=1e-5)
+
+
 def test_tf32_and_bf16_stay_close_to_fp32(cifar):
     """PyTorch's default TF32 convolutions and precision=bf16 change a MOON run's losses by
     little (within 2%, as on the CPU); bf16 also under the vectorized executor."""

@@ -550,6 +550,57 @@ def test_padded_steps_replay_one_graph_per_phase(monkeypatch):
     assert all(torch.equal(replayed[2].params["model"][k], v) for k, v in params.items())
 
 
+@pytest.mark.parametrize("pad", [False, True])
+def test_mixed_steps_replay_a_graph_for_their_largest_group(monkeypatch, pad):
+    """``drop_last=false``, steps replayed as graphs: in a step where some clients take
+    their partial last batch, the clients taking batches of the largest group's size
+    are one step masked to them, replayed from a graph keyed by (clients, batch size,
+    masked) (with padding: the phase's one key), and the others train apart; the
+    results are those of the same steps run eagerly, of the CPU's grouping (every group
+    apart) and of the sequential executor."""
+    from contrafl.engine import cuda_graphs, vectorized
+    from contrafl.engine.cuda_graphs import StepGraphs
+
+    made = []
+
+    def stand_in(device, wanted):
+        made.append(StepGraphs(True, new_graph=_RecordedGraph))
+        return made[-1]
+
+    model = _model()
+    params, buffers = _split(model)
+    stages, opt = [Stage(supervised)], SGD(0.1, 0.9, 1e-3)
+    # 60, 36, 12 and 48 steps of 15 samples or fewer: sorted longest first, the steps'
+    # largest groups give keys (a, 15, "masked") 11 times for a=4, 12 for a=3, and
+    # (3, 15) 10, (1, 15) 9 and (2, 15) 8 times (graphs are captured at a shape's second
+    # step when at least MIN_REPLAYS=8 steps are left); with padding (4, 15) 53 times
+    x, y, tf, jobs = _jobs(params, buffers, epochs=12, drop_last=False)
+    workload = Workload.single(x, y, tf, FunctionalNet(model), stages, opt)
+
+    def train():
+        return VectorizedExecutor(workload, 2**30, pad_finished=pad).train(_jobs(params, buffers, epochs=12, drop_last=False)[3])
+
+    seq, apart = SequentialExecutor(workload).train(jobs), train()
+    monkeypatch.setattr(vectorized.StepGraphs, "for_device", staticmethod(stand_in))
+    monkeypatch.setattr(cuda_graphs, "MIN_REPLAYS", 10**9)
+    eager = train()
+    assert not made[0].graphs
+    monkeypatch.setattr(cuda_graphs, "MIN_REPLAYS", 8)
+    replayed = train()
+    _assert_same_results(eager, replayed)
+    for a, b, c in zip(seq, apart, replayed):  # rounding grows over 60 steps of lr 0.1: 2.9e-5 from the sequential run
+        assert a.steps == b.steps == c.steps
+        for k, v in a.params["model"].items():
+            torch.testing.assert_close(b.params["model"][k], v, rtol=0, atol=1e-4)
+            torch.testing.assert_close(c.params["model"][k], b.params["model"][k], rtol=0, atol=1e-4)
+        torch.testing.assert_close(c.stats["loss"], b.stats["loss"], rtol=1e-6, atol=0)
+    if pad:
+        assert set(made[1].graphs) == {(4, 15)} and made[1].replays == 52
+    else:
+        assert set(made[1].graphs) == {(4, 15, "masked"), (3, 15, "masked"), (3, 15), (1, 15)}
+        assert made[1].replays == 10 + 11 + 9 + 8
+
+
 def test_padded_runs_give_the_unpadded_results():
     """``pad_finished_clients=true`` reaches the vectorized executor of a run, and the run
     (clients of unequal sizes) ends as without it."""

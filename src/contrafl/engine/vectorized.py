@@ -17,10 +17,11 @@ being copied per client.
 Batches of unequal sizes (``drop_last=false``: each client's epochs end with a batch
 of what is left) are stacked padded to the largest. A step whose active clients all
 have batches of one size runs as any other (its shape, clients x batch size, is its
-CUDA graph's key); a step where they differ trains each group of one size on its own,
-eagerly: the group's state is gathered from the stack, stepped and written back. Such
-mixed steps are the last of an epoch for some clients: a phase has at most ``epochs``
-of them for each distinct number of steps per epoch among its clients.
+CUDA graph's key). In a step where they differ (the last of an epoch for some clients)
+each group of one size is gathered from the stack, stepped eagerly and written back;
+where steps are replayed as CUDA graphs, the largest group is instead one step over
+the stack's prefix masked to the group, as padding masks finished clients, with a
+graph key of its own (:func:`_step_groups`).
 
 With ``pad_finished`` every step computes all the clients of the phase instead: the
 ones that have finished run on stale batches, and their parameters, buffers, optimiser
@@ -269,13 +270,16 @@ class VectorizedExecutor:
         if p == 0:
             seed_global(jobs[0].seed, w.x.device)
         pad = self.pad_finished
-        live = torch.ones(K, dtype=torch.bool, device=w.x.device)  # pad: the clients still training (fixed address)
-        kept = pytree.tree_leaves((params, buffers, opt_states)) if pad else []  # what a finished client must not change
+        plan_of_steps = _step_groups(steps, sizes, K, pad, mask_largest=graphs.enabled)
+        masks = torch.stack([m for _, m, _ in plan_of_steps]).to(w.x.device) if plan_of_steps else None
+        live = torch.ones(K, dtype=torch.bool, device=w.x.device)  # a masked step's clients (fixed address)
+        any_masked = pad or any(key is not None and key[-1] == "masked" for key, _, _ in plan_of_steps)
+        kept = pytree.tree_leaves((params, buffers, opt_states)) if any_masked else []  # what a masked-out client keeps
 
         def step(st: _Stack, a: int, b: int, into: slice | torch.Tensor, masked: bool) -> None:
             """One local step of the first ``a`` clients of ``st`` on batches of ``b``;
             their statistics go to ``totals[into]``; ``masked``: the clients not
-            ``live`` keep their state (padding)."""
+            ``live`` keep their state (finished or taking a batch of another size)."""
             before = [t.clone() for t in kept] if masked else []
             r = st.rows[:a, :b]
             raw = w.x[r]
@@ -309,24 +313,18 @@ class VectorizedExecutor:
                     for k, v in stats.items():
                         v = v.detach().float()
                         if masked:
-                            v = torch.where(_per_client(live, v), v, 0.0)
+                            v = torch.where(_per_client(live[:a], v), v, 0.0)
                         add_stats(k, v, into)
             for t, old in zip(kept if masked else [], before):
                 t.copy_(torch.where(_per_client(live, t), t, old))
 
-        # each step's shape: (clients, batch size) where all its active clients have
-        # batches of one size (a graph's key), else None: its clients' partial last
-        # batches (drop_last=false) are trained in groups of one size, eagerly
-        active = [sum(1 for n in steps if n > s) for s in range(S)]  # clients still training: a prefix of the stack
-        shapes: list[tuple[int, int] | None] = []
-        for s, a in enumerate(active):
-            at_s = {sizes[i][s] for i in range(a)}
-            shapes.append(((K if pad else a), at_s.pop()) if len(at_s) == 1 else None)
-        left: dict[Any, int] = {}  # steps of each shape from step s on (a graph's replays)
+        left: dict[Any, int] = {}  # steps of each graph key from step s on (a graph's replays)
         remaining = [0] * S
         for s in reversed(range(S)):
-            left[shapes[s]] = remaining[s] = left.get(shapes[s], 0) + 1
-        for s, a in enumerate(active):
+            key = plan_of_steps[s][0]
+            left[key] = remaining[s] = left.get(key, 0) + 1  # (None: no graph)
+        for s, (key, _, apart) in enumerate(plan_of_steps):
+            a = sum(1 for n in steps if n > s)  # clients still training: a prefix of the stack
             batch_rows[:a].copy_(rows[:a, s])
             for view, dst in zip(augs, batch_augs):
                 for k, v in view.items():
@@ -335,18 +333,17 @@ class VectorizedExecutor:
                 for dst in reps:
                     for name, t in _stack_noise([draw_noise(stage, g, w.x.device) for g in noise_gens[:a]]).items():
                         dst[name][:a].copy_(t)
-            shape = shapes[s]
-            if shape is not None:
-                if pad:
-                    live.copy_(torch.arange(K, device=live.device) < a)
-                n, b = shape
-                graphs.run(shape, remaining[s], lambda n=n, b=b: step(whole, n, b, slice(0, n), pad))
-            else:
-                for b in sorted({sizes[i][s] for i in range(a)}, reverse=True):
-                    idx = torch.tensor([i for i in range(a) if sizes[i][s] == b], device=w.x.device)
-                    group = whole.take(idx)
-                    step(group, len(idx), b, idx, False)
-                    whole.put(idx, group)
+            if key is not None:
+                masked = pad or key[-1] == "masked"
+                if masked:
+                    live.copy_(masks[s])
+                n, b = key[0], key[1]
+                graphs.run(key, remaining[s], lambda n=n, b=b, masked=masked: step(whole, n, b, slice(0, n), masked))
+            for b, members in apart:
+                idx = torch.tensor(members, device=w.x.device)
+                group = whole.take(idx)
+                step(group, len(idx), b, idx, False)
+                whole.put(idx, group)
             if on_steps is not None:
                 on_steps(a)
             for i in range(a):
@@ -426,6 +423,40 @@ class _Stack:
             for t, g in zip(pytree.tree_leaves(mine), pytree.tree_leaves(theirs)):
                 if isinstance(t, torch.Tensor):
                     t.index_copy_(0, idx, g)
+
+
+def _step_groups(
+    steps: list[int], sizes: list[list[int]], K: int, pad: bool, mask_largest: bool
+) -> list[tuple[tuple | None, torch.Tensor, list[tuple[int, list[int]]]]]:
+    """How each step of a phase trains its clients (sorted by their steps, longest
+    first, so that the ``a`` still training are a prefix): ``(key, mask, apart)``.
+
+    The step's largest group of clients with batches of one size ``b`` (the larger size
+    on a tie) is one step over the prefix, ``[:a]`` (``[:K]`` with padding), whose graph
+    key is ``(a, b)``. Where other clients take part in the step (their last batch of an
+    epoch is partial: ``drop_last=false``), with padding or ``mask_largest`` (steps
+    replayed as CUDA graphs) that step is masked to the group (``mask``: the clients it
+    trains), key ``(a, b, "masked")``, so that the many clients taking full batches
+    still replay one graph; each other group of one size, the ``apart`` list of ``(size,
+    clients)``, is trained on its own, eagerly. Without (on the CPU, where nothing is
+    replayed and the masked-out clients' arithmetic would be wasted) every group of a
+    mixed step is trained apart, and its key is None."""
+    out = []
+    for s in range(max(steps, default=0)):
+        a = sum(1 for n in steps if n > s)
+        by_size: dict[int, list[int]] = {}
+        for i in range(a):
+            by_size.setdefault(sizes[i][s], []).append(i)
+        mask = torch.zeros(K, dtype=torch.bool)
+        if len(by_size) > 1 and not (pad or mask_largest):
+            out.append((None, mask, sorted(by_size.items(), reverse=True)))
+            continue
+        b = max(by_size, key=lambda size: (len(by_size[size]), size))
+        mask[by_size.pop(b)] = True
+        n = K if pad else a
+        key = (n, b, "masked") if by_size and not pad else (n, b)
+        out.append((key, mask, sorted(by_size.items(), reverse=True)))
+    return out
 
 
 def _batch_positions(plan: ClientPlan, width: int) -> torch.Tensor:
