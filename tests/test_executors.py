@@ -601,6 +601,70 @@ def test_mixed_steps_replay_a_graph_for_their_largest_group(monkeypatch, pad):
         assert made[1].replays == 10 + 11 + 9 + 8
 
 
+def test_arenas_replay_an_earlier_rounds_graphs(monkeypatch):
+    """Steps replayed as graphs, the arena kept between rounds: a shape with fewer steps a
+    round than pay for a capture (here all of them) runs eagerly in the first round, is
+    captured in the second and replayed from then on, on the same tensors, into which
+    each round's values are copied; every round trains as eager steps do. A frozen model
+    shared by all clients (each round's own) is copied into the arena, and the tensors it
+    came from are left as they were."""
+    from contrafl.engine import vectorized
+    from contrafl.engine.cuda_graphs import StepGraphs
+    from contrafl.engine.vectorized import StepArenas
+
+    made = []
+
+    def stand_in(device, wanted):
+        made.append(StepGraphs(True, new_graph=_RecordedGraph))
+        return made[-1]
+
+    model = _model()
+    params, buffers = _split(model)
+    x, y, tf, _ = _data()
+    workload = Workload.single(x, y, tf, FunctionalNet(model), [Stage(with_history)], SGD(0.1, 0.9))
+    arenas = StepArenas()
+    history = [{**{k: v - 0.02 * r for k, v in params.items()}, **buffers} for r in range(3)]
+    kept = [{k: v.clone() for k, v in h.items()} for h in history]
+
+    def jobs(r):  # round r: other global weights and history (one object for all clients); 4, 3, 2 and 0 steps
+        start = {k: v + 0.01 * r for k, v in params.items()}
+        return _jobs(start, buffers, lambda cid, task: task.frozen.update(hist=history[r]), epochs=1)[3]
+
+    eager = [VectorizedExecutor(workload, 2**30).train(jobs(r)) for r in range(3)]
+    monkeypatch.setattr(vectorized.StepGraphs, "for_device", staticmethod(stand_in))
+    replays = []
+    for r in range(3):
+        _assert_same_results(eager[r], VectorizedExecutor(workload, 2**30, arenas=arenas).train(jobs(r)))
+        replays.append(made[0].replays)
+    (arena,) = arenas.arenas.values()
+    assert arena.graphs is made[0] and set(made[0].graphs) == {(3, 16), (2, 16), (1, 16)}
+    assert replays == [0, 4, 8]  # (3, 16) twice, (2, 16) and (1, 16) once a round: all replayed from round 2
+    for h, k in zip(history, kept):
+        assert all(torch.equal(h[name], k[name]) for name in h)
+    other = Workload.single(x, y, tf, workload.net, [Stage(with_history)], SGD(0.05, 0.9))  # another learning rate
+    VectorizedExecutor(other, 2**30, arenas=arenas).train(jobs(0))
+    assert len(arenas.arenas) == 2
+
+
+def test_arenas_keep_a_runs_rounds_equal(monkeypatch):
+    """A run whose steps are replayed from arenas kept across rounds ends as the run of
+    eager steps (MOON: the global model, a frozen tensor shared by all clients, changes
+    every round and is copied into the arena's own copy)."""
+    from conftest import simulate
+    from contrafl.engine import vectorized
+    from contrafl.engine.cuda_graphs import StepGraphs
+
+    args = ["executor=vectorized", "algorithm=moon", "rounds=3", "partition=dirichlet", "partition.beta=0.5"]
+    eager = simulate(*args)
+    monkeypatch.setattr(vectorized.StepGraphs, "for_device", staticmethod(lambda device, wanted: StepGraphs(True, new_graph=_RecordedGraph)))
+    replayed = simulate(*args)
+    assert sum(a.graphs.replays for a in replayed.step_arenas.arenas.values()) > 0
+    for k, v in eager.server.model.items():
+        torch.testing.assert_close(replayed.server.model[k], v, rtol=0, atol=1e-6)
+    for a, b in zip(eager.history, replayed.history):
+        assert b["train_loss"] == pytest.approx(a["train_loss"], rel=1e-6)
+
+
 def test_padded_runs_give_the_unpadded_results():
     """``pad_finished_clients=true`` reaches the vectorized executor of a run, and the run
     (clients of unequal sizes) ends as without it."""

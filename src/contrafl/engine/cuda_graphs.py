@@ -6,13 +6,15 @@ times the kernels' own run time. A step captured once as a CUDA graph is replaye
 one launch. A step reads its inputs from tensors that stay at the same addresses (the
 stacked parameters, buffers and optimiser states it updates in place, and the batch
 buffers the executor fills before each step), so its graph can be replayed for every
-later step with the same number of active clients.
+later step of the same shape, in later rounds too where the executor keeps those tensors
+(``recurring``: the vectorized executor's arenas).
 
 :class:`StepGraphs` decides per step: run it eagerly (the first step of a shape, which
 also warms up cuDNN and allocates what the step creates once), capture it, or replay the
 captured graph. A capture runs the step's Python as an eager step does and then builds
 the graph, so a shape is only captured when at least :data:`MIN_REPLAYS` steps will use
-it (a margin: the capture's own cost has not been measured apart from whole rounds). A step that cannot be
+it (a margin: the capture's own cost has not been measured apart from whole rounds),
+or when its steps recur in later rounds. A step that cannot be
 captured (an operation that waits for the GPU, a shape decided by the data) is run
 eagerly, and so is every later step of the process, with one warning: nothing of it was
 executed during the failed capture, so the eager step does the work exactly once.
@@ -59,6 +61,7 @@ class StepGraphs:
         self.warm: set[Hashable] = set()
         self.pool: Any = None
         self.replays = 0
+        self.recurring = False  # the steps recur in later rounds (an arena's graphs): capture on a shape's second step
 
     @classmethod
     def for_device(cls, device: torch.device, wanted: bool) -> "StepGraphs":
@@ -72,7 +75,7 @@ class StepGraphs:
             graph.replay()
             self.replays += 1
             return
-        if not self.enabled or key not in self.warm or remaining < MIN_REPLAYS:
+        if not self.enabled or key not in self.warm or (remaining < MIN_REPLAYS and not self.recurring):
             self.warm.add(key)
             step()
             return

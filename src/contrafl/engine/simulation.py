@@ -65,7 +65,7 @@ from .setup import Setup, choose_executor, cpu_cores
 from .signals import interrupts, signal_name, stop_point
 from .tracking import Tracking, open_tracking
 from .validate import check_reply, norm_outliers
-from .vectorized import VectorizedExecutor
+from .vectorized import StepArenas, VectorizedExecutor
 
 
 class Context:
@@ -165,10 +165,11 @@ class Transport(Protocol):
         ...
 
 
-def make_executor(name: str, workload: Workload, cfg: Config):
-    """The executor ``name`` for ``workload``."""
+def make_executor(name: str, workload: Workload, cfg: Config, arenas: StepArenas | None = None):
+    """The executor ``name`` for ``workload``; ``arenas``: what the vectorized executor
+    keeps from round to round (its steps' CUDA graphs and the tensors they run on)."""
     if name == "vectorized":
-        return VectorizedExecutor(workload, cfg.vectorize_memory_gb * 2**30, cfg.cuda_graphs, cfg.pad_finished_clients)
+        return VectorizedExecutor(workload, cfg.vectorize_memory_gb * 2**30, cfg.cuda_graphs, cfg.pad_finished_clients, arenas)
     if name == "parallel":
         workers = cfg.workers or cpu_cores()
         return ParallelExecutor(workload, workers, threads=cores_each(workers))
@@ -229,6 +230,7 @@ class Simulation:
         self.comm_total: dict[str, dict[str, int]] = {"down": {}, "up": {}}
         self.rounds_done = 0
         self.transport: Transport | None = None  # None: train_locally, evaluate_locally
+        self.step_arenas = StepArenas()  # the vectorized executor's graphs from round to round
         self.checkpointed = 0  # rounds saved in the run directory's checkpoint
         self.wall_time_before = 0.0  # seconds spent before a resume
         self.checkpoint_seconds = 0.0  # spent writing checkpoints (by this process)
@@ -450,7 +452,7 @@ class Simulation:
             autocast=self.autocast,
             keep_opt_state=self.cfg.persist_optimizer_state,
         )
-        return make_executor(self.executor_name, workload, self.cfg)
+        return make_executor(self.executor_name, workload, self.cfg, self.step_arenas)
 
     def client_job(self, cid: int, t: int, message: dict[str, Any], phases: list[Phase]) -> tuple[Job, Context, dict[str, Any]]:
         """Client ``cid``'s local training in round ``t`` of ``phases`` on ``message``:

@@ -37,11 +37,17 @@ noise (:attr:`Stage.noise`) is drawn for the active clients only, as without it.
 
 Clients are trained in chunks that fit ``memory_bytes``; the per-client memory is
 measured on the first client by counting the tensors autograd saves for one step.
+
+Steps replayed as CUDA graphs run on the tensors they were captured on. With
+:class:`StepArenas` (a run's), a phase keeps its stacks and graphs for the next round
+of the same computation, which copies its values into them: a shape seen in one round
+is captured in the next and replayed from then on, however few steps it has a round.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -143,12 +149,18 @@ class VectorizedExecutor:
     name = "vectorized"
 
     def __init__(
-        self, workload: Workload, memory_bytes: float, cuda_graphs: bool = True, pad_finished: bool = False
+        self,
+        workload: Workload,
+        memory_bytes: float,
+        cuda_graphs: bool = True,
+        pad_finished: bool = False,
+        arenas: "StepArenas | None" = None,
     ) -> None:
         self.workload = workload
         self.memory_bytes = memory_bytes
         self.cuda_graphs = cuda_graphs  # on a CUDA device: replay steps as CUDA graphs (cuda_graphs.py)
         self.pad_finished = pad_finished  # every step computes all clients, finished ones masked (module doc)
+        self.arenas = arenas  # the stacks and graphs kept from round to round (StepArenas), or None
         self._grad_fns: dict[tuple, Callable] = {}
 
     def client_bytes(self, job: Job) -> int:
@@ -161,6 +173,8 @@ class VectorizedExecutor:
             per_client += 2 * params + state_bytes(task.buffers)
         elif any(len(set(plan.sizes)) > 1 for plan in job.plans):  # a mixed step's gathered group (drop_last=false)
             per_client += 2 * params + state_bytes(task.buffers) + frozen
+        if self.arenas is not None and self.cuda_graphs and self.workload.x.is_cuda:  # a round's stack beside the arena's
+            per_client += 2 * params + state_bytes(task.buffers)
         per_client += frozen
         per_client += sum(plan.order.numel() for plan in job.plans) * 8
         return per_client + 2 * saved_bytes_of_step(self.workload, job)
@@ -267,12 +281,24 @@ class VectorizedExecutor:
         whole = _Stack(params, buffers, frozen, frozen_dims, consts, consts_dims, opt_states, batch_rows, batch_augs, batch_noise)
         noise_gens = [noise_generator(job, p) for job in jobs]
         graphs = StepGraphs.for_device(w.x.device, self.cuda_graphs)
+        live = torch.ones(K, dtype=torch.bool, device=w.x.device)  # a masked step's clients (fixed address)
+        if graphs.enabled and self.arenas is not None:  # an earlier round's stacks and graphs, this round's values
+            signature = (p, K, B, self.pad_finished, phase.stages, type(phase.optimizer).__name__,
+                         tuple(sorted(vars(phase.optimizer).items())), id(w.net), id(w.transform), w.x.data_ptr(),
+                         w.y.data_ptr(), w.autocast, repr(keys), repr(used), whole.layout())
+            arena = self.arenas.get(signature)
+            if arena is None:
+                arena = self.arenas.add(signature, _Arena(whole.owning(), totals, live, graphs))
+            else:
+                arena.refresh(whole)
+            whole, totals, live, graphs = arena.whole, arena.totals, arena.live, arena.graphs
+            params, buffers, frozen, opt_states = whole.params, whole.buffers, whole.frozen, whole.opt_states
+            batch_rows, batch_augs, batch_noise = whole.rows, whole.augs, whole.noise
         if p == 0:
             seed_global(jobs[0].seed, w.x.device)
         pad = self.pad_finished
         plan_of_steps = _step_groups(steps, sizes, K, pad, mask_largest=graphs.enabled)
         masks = torch.stack([m for _, m, _ in plan_of_steps]).to(w.x.device) if plan_of_steps else None
-        live = torch.ones(K, dtype=torch.bool, device=w.x.device)  # a masked step's clients (fixed address)
         any_masked = pad or any(key is not None and key[-1] == "masked" for key, _, _ in plan_of_steps)
         kept = pytree.tree_leaves((params, buffers, opt_states)) if any_masked else []  # what a masked-out client keeps
 
@@ -416,6 +442,28 @@ class _Stack:
                       rows(self.consts, self.consts_dims), self.consts_dims, rows(self.opt_states),
                       rows(self.rows), rows(self.augs), rows(self.noise))
 
+    def layout(self) -> str:
+        """The structure, shapes and dtypes of every tree (what a step's graph is built
+        for, apart from the values)."""
+        def meta(tree: Any) -> str:
+            leaves, spec = pytree.tree_flatten(tree)
+            return f"{spec}" + ";".join(
+                f"{tuple(t.shape)}{t.dtype}{t.device}" if isinstance(t, torch.Tensor) else repr(t) for t in leaves
+            )
+
+        return "|".join(meta(t) for t in (self.params, self.buffers, self.frozen, self.frozen_dims, self.consts,
+                                          self.consts_dims, self.opt_states, self.rows, self.augs, self.noise))
+
+    def owning(self) -> "_Stack":
+        """This stack with its unstacked tensors (frozen models and constants shared by
+        all clients, such as the broadcast global model) copied, so that an arena can
+        overwrite them in later rounds without touching the tensors they came from."""
+        def own(tree: Any, dims: Any) -> Any:
+            return pytree.tree_map(lambda t, d: t.clone() if isinstance(t, torch.Tensor) and d is None else t, tree, dims)
+
+        return _Stack(self.params, self.buffers, own(self.frozen, self.frozen_dims), self.frozen_dims,
+                      own(self.consts, self.consts_dims), self.consts_dims, self.opt_states, self.rows, self.augs, self.noise)
+
     def put(self, idx: torch.Tensor, group: "_Stack") -> None:
         """The parameters, buffers and optimiser states of ``group``, taken as clients
         ``idx``, written back."""
@@ -423,6 +471,55 @@ class _Stack:
             for t, g in zip(pytree.tree_leaves(mine), pytree.tree_leaves(theirs)):
                 if isinstance(t, torch.Tensor):
                     t.index_copy_(0, idx, g)
+
+
+class _Arena:
+    """One phase's stacked state, statistics and mask at fixed addresses, and the CUDA
+    graphs of its steps, kept for the next round of the same shapes."""
+
+    def __init__(self, whole: _Stack, totals: dict[str, torch.Tensor], live: torch.Tensor, graphs: StepGraphs) -> None:
+        self.whole, self.totals, self.live, self.graphs = whole, totals, live, graphs
+
+    def refresh(self, new: _Stack) -> None:
+        """This round's values (``new``, of the same layout) copied in; the statistics
+        zeroed; the graphs told that their shapes recur."""
+        mine = (self.whole.params, self.whole.buffers, self.whole.frozen, self.whole.consts, self.whole.opt_states)
+        theirs = (new.params, new.buffers, new.frozen, new.consts, new.opt_states)
+        for t, v in zip(pytree.tree_leaves(mine), pytree.tree_leaves(theirs)):
+            if isinstance(t, torch.Tensor):
+                t.copy_(v)
+        for t in self.totals.values():
+            t.zero_()
+        self.graphs.recurring = True
+
+
+class StepArenas:
+    """The vectorized executor's arenas (:class:`_Arena`) from round to round, for steps
+    replayed as CUDA graphs. A graph replays the kernels it captured on the tensors it
+    captured them on, so that a round can replay an earlier round's graphs only on the
+    same tensors: this round's values are copied into them. An arena serves a later
+    phase whose steps are the same computation: the same stages (the loss and step
+    functions, which must read what varies between rounds from the task's tensors, as
+    the other executors also require), optimiser settings, model, data, transform,
+    clients, batch width and the same structure, shapes and dtypes of every tensor.
+    The ``capacity`` most recently used are kept (each holds a chunk's state and its
+    graphs' memory)."""
+
+    def __init__(self, capacity: int = 4) -> None:
+        self.capacity = capacity
+        self.arenas: OrderedDict[Hashable, _Arena] = OrderedDict()
+
+    def get(self, signature: Hashable) -> _Arena | None:
+        arena = self.arenas.get(signature)
+        if arena is not None:
+            self.arenas.move_to_end(signature)
+        return arena
+
+    def add(self, signature: Hashable, arena: _Arena) -> _Arena:
+        self.arenas[signature] = arena
+        while len(self.arenas) > self.capacity:
+            self.arenas.popitem(last=False)
+        return arena
 
 
 def _step_groups(
