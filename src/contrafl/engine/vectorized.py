@@ -283,14 +283,7 @@ class VectorizedExecutor:
         graphs = StepGraphs.for_device(w.x.device, self.cuda_graphs)
         live = torch.ones(K, dtype=torch.bool, device=w.x.device)  # a masked step's clients (fixed address)
         if graphs.enabled and self.arenas is not None:  # an earlier round's stacks and graphs, this round's values
-            signature = (p, K, B, self.pad_finished, phase.stages, type(phase.optimizer).__name__,
-                         tuple(sorted(vars(phase.optimizer).items())), id(w.net), id(w.transform), w.x.data_ptr(),
-                         w.y.data_ptr(), w.autocast, repr(keys), repr(used), whole.layout())
-            arena = self.arenas.get(signature)
-            if arena is None:
-                arena = self.arenas.add(signature, _Arena(whole.owning(), totals, live, graphs))
-            else:
-                arena.refresh(whole)
+            arena = self._arena(p, (repr(keys), repr(used)), _Arena(whole, totals, live, graphs))
             whole, totals, live, graphs = arena.whole, arena.totals, arena.live, arena.graphs
             params, buffers, frozen, opt_states = whole.params, whole.buffers, whole.frozen, whole.opt_states
             batch_rows, batch_augs, batch_noise = whole.rows, whole.augs, whole.noise
@@ -386,6 +379,19 @@ class VectorizedExecutor:
             if n:
                 for k, v in totals_i.items():
                     c.stats[k] = c.stats[k] + v if k in c.stats else v
+
+    def _arena(self, p: int, step_keys: tuple, new: "_Arena") -> "_Arena":
+        """The kept arena of phase ``p``'s computation with ``new``'s values copied in, or
+        ``new`` kept, with its shared tensors made its own (:class:`StepArenas`)."""
+        w, phase, K = self.workload, self.workload.phases[p], len(new.live)
+        signature = (p, K, self.pad_finished, phase.stages, type(phase.optimizer).__name__,
+                     tuple(sorted(vars(phase.optimizer).items())), id(w.net), id(w.transform), w.x.data_ptr(),
+                     w.y.data_ptr(), w.autocast, step_keys, new.whole.layout())
+        arena = self.arenas.get(signature)
+        if arena is None:
+            return self.arenas.add(signature, _Arena(new.whole.owning(), new.totals, new.live, new.graphs))
+        arena.refresh(new.whole)
+        return arena
 
     def _grad_fn(self, stage: Stage, frozen_dims: Any, consts_dims: Any, other_roles: list[str]) -> Callable:
         key = (id(stage.loss), repr(frozen_dims), repr(consts_dims), tuple(other_roles))
