@@ -494,6 +494,22 @@ class _RecordedGraph:
         self.step()
 
 
+def _record_graphs(monkeypatch) -> list:
+    """From now on the vectorized executor's StepGraphs capture stand-in graphs
+    (:class:`_RecordedGraph`), on any device; the list of those made, in order."""
+    from contrafl.engine import vectorized
+    from contrafl.engine.cuda_graphs import StepGraphs
+
+    made = []
+
+    def stand_in(device, wanted):
+        made.append(StepGraphs(True, new_graph=_RecordedGraph))
+        return made[-1]
+
+    monkeypatch.setattr(vectorized.StepGraphs, "for_device", staticmethod(stand_in))
+    return made
+
+
 def test_step_graphs_warm_up_then_capture_then_replay():
     from contrafl.engine.cuda_graphs import MIN_REPLAYS, StepGraphs
 
@@ -528,21 +544,13 @@ def test_padded_steps_replay_one_graph_per_phase(monkeypatch):
     all the others replay the graph captured at the second (which reads the mask of
     active clients from a fixed address), and the clients come out as without padding,
     the one without a step untouched."""
-    from contrafl.engine import vectorized
-    from contrafl.engine.cuda_graphs import StepGraphs
-
-    made = []
-
-    def stand_in(device, wanted):
-        made.append(StepGraphs(True, new_graph=_RecordedGraph))
-        return made[-1]
 
     model = _model()
     params, buffers = _split(model)
     x, y, tf, jobs = _jobs(params, buffers, epochs=4)  # 16, 8, 0 and 12 steps
     workload = Workload.single(x, y, tf, FunctionalNet(model), [Stage(supervised)], SGD(0.05, 0.9))
     eager = VectorizedExecutor(workload, 2**30).train(jobs)
-    monkeypatch.setattr(vectorized.StepGraphs, "for_device", staticmethod(stand_in))
+    made = _record_graphs(monkeypatch)
     replayed = VectorizedExecutor(workload, 2**30, pad_finished=True).train(_jobs(params, buffers, epochs=4)[3])
     assert [r.steps for r in replayed] == [16, 8, 0, 12]
     assert set(made[0].graphs) == {(4, 16)} and made[0].replays == 15  # (clients, batch size)
@@ -558,14 +566,7 @@ def test_mixed_steps_replay_a_graph_for_their_largest_group(monkeypatch, pad):
     masked) (with padding: the phase's one key), and the others train apart; the
     results are those of the same steps run eagerly, of the CPU's grouping (every group
     apart) and of the sequential executor."""
-    from contrafl.engine import cuda_graphs, vectorized
-    from contrafl.engine.cuda_graphs import StepGraphs
-
-    made = []
-
-    def stand_in(device, wanted):
-        made.append(StepGraphs(True, new_graph=_RecordedGraph))
-        return made[-1]
+    from contrafl.engine import cuda_graphs
 
     model = _model()
     params, buffers = _split(model)
@@ -581,7 +582,7 @@ def test_mixed_steps_replay_a_graph_for_their_largest_group(monkeypatch, pad):
         return VectorizedExecutor(workload, 2**30, pad_finished=pad).train(_jobs(params, buffers, epochs=12, drop_last=False)[3])
 
     seq, apart = SequentialExecutor(workload).train(jobs), train()
-    monkeypatch.setattr(vectorized.StepGraphs, "for_device", staticmethod(stand_in))
+    made = _record_graphs(monkeypatch)
     monkeypatch.setattr(cuda_graphs, "MIN_REPLAYS", 10**9)
     eager = train()
     assert not made[0].graphs
@@ -608,15 +609,7 @@ def test_arenas_replay_an_earlier_rounds_graphs(monkeypatch):
     each round's values are copied; every round trains as eager steps do. A frozen model
     shared by all clients (each round's own) is copied into the arena, and the tensors it
     came from are left as they were."""
-    from contrafl.engine import vectorized
-    from contrafl.engine.cuda_graphs import StepGraphs
     from contrafl.engine.vectorized import StepArenas
-
-    made = []
-
-    def stand_in(device, wanted):
-        made.append(StepGraphs(True, new_graph=_RecordedGraph))
-        return made[-1]
 
     model = _model()
     params, buffers = _split(model)
@@ -631,7 +624,7 @@ def test_arenas_replay_an_earlier_rounds_graphs(monkeypatch):
         return _jobs(start, buffers, lambda cid, task: task.frozen.update(hist=history[r]), epochs=1)[3]
 
     eager = [VectorizedExecutor(workload, 2**30).train(jobs(r)) for r in range(3)]
-    monkeypatch.setattr(vectorized.StepGraphs, "for_device", staticmethod(stand_in))
+    made = _record_graphs(monkeypatch)
     replays = []
     for r in range(3):
         _assert_same_results(eager[r], VectorizedExecutor(workload, 2**30, arenas=arenas).train(jobs(r)))
@@ -651,12 +644,10 @@ def test_arenas_keep_a_runs_rounds_equal(monkeypatch):
     eager steps (MOON: the global model, a frozen tensor shared by all clients, changes
     every round and is copied into the arena's own copy)."""
     from conftest import simulate
-    from contrafl.engine import vectorized
-    from contrafl.engine.cuda_graphs import StepGraphs
 
     args = ["executor=vectorized", "algorithm=moon", "rounds=3", "partition=dirichlet", "partition.beta=0.5"]
     eager = simulate(*args)
-    monkeypatch.setattr(vectorized.StepGraphs, "for_device", staticmethod(lambda device, wanted: StepGraphs(True, new_graph=_RecordedGraph)))
+    _record_graphs(monkeypatch)
     replayed = simulate(*args)
     assert sum(a.graphs.replays for a in replayed.step_arenas.arenas.values()) > 0
     for k, v in eager.server.model.items():

@@ -31,7 +31,6 @@ from .executor import Job, SequentialExecutor, StepsDone, Workload
 from .signals import POLL_S, detach_from_signals, stop_point
 
 
-
 def balance(steps: list[int], workers: int) -> list[list[int]]:
     """Assign jobs (by their number of steps) to workers, longest first to the least loaded."""
     loads = [0] * workers

@@ -39,6 +39,7 @@ from torch.utils import _pytree as pytree
 from ..algorithms.base import LocalTask, Phase, Reply, ServerState, StateDict, TrainResult
 from ..algorithms.server_opt import ServerOptimizer
 from ..config import Config, fingerprint
+from ..cores import cores_each
 from ..data.augment import Transform, Views, view_transform
 from ..errors import CheckpointError, ClientUpdateError, one_line
 from ..metrics.evaluate import evaluate
@@ -60,7 +61,6 @@ from ..rng import derive_seed, generator
 from ..speeds import client_speeds, round_speed, step_budget
 from .run_dir import CHECKPOINT, RunDir
 from .sampling import sample_schedule, secret_sample
-from ..cores import cores_each
 from .setup import Setup, choose_executor, cpu_cores
 from .signals import interrupts, signal_name, stop_point
 from .tracking import Tracking, open_tracking

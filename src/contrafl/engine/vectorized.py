@@ -291,8 +291,8 @@ class VectorizedExecutor:
             seed_global(jobs[0].seed, w.x.device)
         pad = self.pad_finished
         plan_of_steps = _step_groups(steps, sizes, K, pad, mask_largest=graphs.enabled)
-        masks = torch.stack([m for _, m, _ in plan_of_steps]).to(w.x.device) if plan_of_steps else None
-        any_masked = pad or any(key is not None and key[-1] == "masked" for key, _, _ in plan_of_steps)
+        any_masked = pad or any(key is not None and key[-1] == "masked" for _, key, _, _ in plan_of_steps)
+        masks = torch.stack([m for *_, m, _ in plan_of_steps]).to(w.x.device) if any_masked else None
         kept = pytree.tree_leaves((params, buffers, opt_states)) if any_masked else []  # what a masked-out client keeps
 
         def step(st: _Stack, a: int, b: int, into: slice | torch.Tensor, masked: bool) -> None:
@@ -340,10 +340,9 @@ class VectorizedExecutor:
         left: dict[Any, int] = {}  # steps of each graph key from step s on (a graph's replays)
         remaining = [0] * S
         for s in reversed(range(S)):
-            key = plan_of_steps[s][0]
+            key = plan_of_steps[s][1]
             left[key] = remaining[s] = left.get(key, 0) + 1  # (None: no graph)
-        for s, (key, _, apart) in enumerate(plan_of_steps):
-            a = sum(1 for n in steps if n > s)  # clients still training: a prefix of the stack
+        for s, (a, key, _, apart) in enumerate(plan_of_steps):
             batch_rows[:a].copy_(rows[:a, s])
             for view, dst in zip(augs, batch_augs):
                 for k, v in view.items():
@@ -389,7 +388,8 @@ class VectorizedExecutor:
                      w.y.data_ptr(), w.autocast, step_keys, new.whole.layout())
         arena = self.arenas.get(signature)
         if arena is None:
-            return self.arenas.add(signature, _Arena(new.whole.owning(), new.totals, new.live, new.graphs))
+            new.whole = new.whole.owning()
+            return self.arenas.add(signature, new)
         arena.refresh(new.whole)
         return arena
 
@@ -530,9 +530,9 @@ class StepArenas:
 
 def _step_groups(
     steps: list[int], sizes: list[list[int]], K: int, pad: bool, mask_largest: bool
-) -> list[tuple[tuple | None, torch.Tensor, list[tuple[int, list[int]]]]]:
+) -> list[tuple[int, tuple | None, torch.Tensor, list[tuple[int, list[int]]]]]:
     """How each step of a phase trains its clients (sorted by their steps, longest
-    first, so that the ``a`` still training are a prefix): ``(key, mask, apart)``.
+    first, so that the ``a`` still training are a prefix): ``(a, key, mask, apart)``.
 
     The step's largest group of clients with batches of one size ``b`` (the larger size
     on a tie) is one step over the prefix, ``[:a]`` (``[:K]`` with padding), whose graph
@@ -552,13 +552,13 @@ def _step_groups(
             by_size.setdefault(sizes[i][s], []).append(i)
         mask = torch.zeros(K, dtype=torch.bool)
         if len(by_size) > 1 and not (pad or mask_largest):
-            out.append((None, mask, sorted(by_size.items(), reverse=True)))
+            out.append((a, None, mask, sorted(by_size.items(), reverse=True)))
             continue
         b = max(by_size, key=lambda size: (len(by_size[size]), size))
         mask[by_size.pop(b)] = True
         n = K if pad else a
         key = (n, b, "masked") if by_size and not pad else (n, b)
-        out.append((key, mask, sorted(by_size.items(), reverse=True)))
+        out.append((a, key, mask, sorted(by_size.items(), reverse=True)))
     return out
 
 

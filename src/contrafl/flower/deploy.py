@@ -22,9 +22,9 @@ import torch
 
 from .. import params as P
 from ..config import Config
+from ..cores import cores_each
 from ..engine.run_dir import RunDir, read_summary
 from ..engine.sampling import clients_per_round
-from ..cores import cores_each
 from ..engine.setup import cpu_cores, prepare
 from ..errors import ConfigError, one_line
 from ..files import write_atomic
