@@ -17,6 +17,16 @@ def sample_weights(replies: Sequence[Reply]) -> list[float]:
     return [r.num_samples / total for r in replies]
 
 
+def weighted_sum(tensors: Sequence[Sequence[torch.Tensor]], weights: Sequence[float]) -> list[torch.Tensor]:
+    """``sum_k weights[k] * tensors[k]``, position by position over the clients' lists of
+    tensors, accumulated in client order in each tensor's own dtype (one fused ``add_``
+    per client)."""
+    acc = torch._foreach_mul(list(tensors[0]), weights[0])
+    for ts, w in zip(tensors[1:], weights[1:]):
+        torch._foreach_add_(acc, list(ts), alpha=w)
+    return acc
+
+
 def weighted_average(states: Sequence[StateDict], weights: Sequence[float]) -> StateDict:
     """``sum_k weights[k] * states[k]`` for every entry of the state dicts.
 
@@ -25,10 +35,7 @@ def weighted_average(states: Sequence[StateDict], weights: Sequence[float]) -> S
     averaged in float64 and truncated, as loading MOON's averaged state dict does.
     """
     floats = [key for key, first in states[0].items() if first.is_floating_point()]
-    acc = torch._foreach_mul([states[0][key] for key in floats], weights[0]) if floats else []
-    for state, w in zip(states[1:] if floats else [], weights[1:]):  # one fused add_ per client
-        torch._foreach_add_(acc, [state[key] for key in floats], alpha=w)
-    summed = dict(zip(floats, acc))
+    summed = dict(zip(floats, weighted_sum([[s[key] for key in floats] for s in states], weights))) if floats else {}
     return {
         key: summed[key] if key in summed
         else sum(float(w) * s[key].double() for s, w in zip(states, weights)).to(first.dtype)

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from ..algorithms.aggregation import sample_weights
+from ..algorithms.aggregation import sample_weights, weighted_sum
 from ..algorithms.base import Reply
 
 IN_MEAN = "<in the share's mean>"
@@ -40,7 +40,8 @@ def summed(replies: Sequence[Reply]) -> tuple[list[Reply], list[torch.Tensor]] |
     """``replies`` with each floating-point tensor of their payloads replaced by
     :data:`IN_MEAN`, and those tensors' sample-weighted mean (in payload order, each
     accumulated in its own dtype in the replies' order, as
-    :func:`~contrafl.algorithms.aggregation.weighted_average`); None when the payloads
+    :func:`~contrafl.algorithms.aggregation.weighted_average`, by its
+    :func:`~contrafl.algorithms.aggregation.weighted_sum`); None when the payloads
     differ in structure, shapes or dtypes, or have no floating-point tensor (or there
     are no replies): no mean to take."""
     if not replies:
@@ -52,9 +53,7 @@ def summed(replies: Sequence[Reply]) -> tuple[list[Reply], list[torch.Tensor]] |
         return None
     weights = sample_weights(list(replies))
     floats = [[leaf for leaf in leaves if _is_float(leaf)] for leaves, _ in flat]
-    mean = [first * weights[0] for first in floats[0]]
-    for tensors, w in zip(floats[1:], weights[1:]):
-        torch._foreach_add_(mean, tensors, alpha=w)
+    mean = weighted_sum(floats, weights)
     bare = [
         dataclasses.replace(r, payload=pytree.tree_unflatten([IN_MEAN if _is_float(leaf) else leaf for leaf in leaves], spec))
         for r, (leaves, spec) in zip(replies, flat)
