@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue #36 item 6 on one GPU, in one call: contrafl against pfl-research (pfl 0.6.0) on
+# Issue #36 item 6 on one GPU, in one call (or one per shape): contrafl against pfl-research (pfl 0.6.0) on
 # equal work (checked: benchmarks/peers/pfl_research.py), both shapes, one seed. pfl
 # in one process and with 2 and 4 processes sharing the GPU (its docs' advice for small
 # models); contrafl's vectorized executor with CUDA graphs (executor=auto on a GPU) and
@@ -7,18 +7,20 @@
 # shape first; each step capped in time (at most 9.5 minutes in all) and logged, the tables
 # at the end of each log.
 #
-#   bash benchmarks/gpu_peers.sh CIFAR_DIR LOG_DIR
+#   bash benchmarks/gpu_peers.sh CIFAR_DIR LOG_DIR [SHAPE ...]   # SHAPE: device, silo (default: both)
 #
 # pfl must be importable: on a machine without the package registries, carry the wheels
 # of benchmarks/peers/device_wheels.sh and install them first (its header shows how).
 set -u
 data=$(cd "${1:?CIFAR_DIR}" && pwd) || exit 2; logs=${2:?LOG_DIR}  # the data by its absolute path: the programs run in their own folders
+shapes=("${@:3}"); [ ${#shapes[@]} -gt 0 ] || shapes=(device silo)  # one per call on a short lease
 here=$(cd "$(dirname "$0")" && pwd)
 STEP_TAIL=30  # the tables at the end of each log
 . "$here/_steps.sh"
 python3 -c "import importlib.metadata as m; print('pfl', m.version('pfl'))" || { echo "pfl is not installed: see benchmarks/peers/device_wheels.sh"; exit 2; }
 contrafl=("device=cuda" "device=cuda executor=distributed workers=4")
-for shape in device silo; do
+for shape in "${shapes[@]}"; do
+    case $shape in device|silo) ;; *) echo "unknown shape $shape: expected device or silo"; exit 2;; esac
     step "pfl_$shape" $([ $shape = device ] && echo 400 || echo 160) python3 "$here/peers/pfl_research.py" \
         --data-dir "$data" --shape $shape --seeds 1 --configs single torchrun --processes 2 4 \
         --contrafl "${contrafl[@]}" --work "/tmp/contrafl-peers/gpu-$shape" --json "$logs/pfl_$shape.json"

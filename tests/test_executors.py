@@ -559,22 +559,25 @@ def test_padded_steps_replay_one_graph_per_phase(monkeypatch):
 
 
 @pytest.mark.parametrize("pad", [False, True])
-def test_mixed_steps_replay_a_graph_for_their_largest_group(monkeypatch, pad):
+def test_mixed_steps_replay_a_graph_for_each_group(monkeypatch, pad):
     """``drop_last=false``, steps replayed as graphs: in a step where some clients take
-    their partial last batch, the clients taking batches of the largest group's size
-    are one step masked to them, replayed from a graph keyed by (clients, batch size,
-    masked) (with padding: the phase's one key), and the others train apart; the
-    results are those of the same steps run eagerly, of the CPU's grouping (every group
-    apart) and of the sequential executor."""
-    from contrafl.engine import cuda_graphs
+    their partial last batch, each group of clients taking batches of one size is one
+    step over the stack's prefix masked to the group, replayed from a graph keyed by
+    (clients, batch size, masked) (with padding: (all clients, batch size)), and no
+    group is gathered and trained apart; the results are those of the same steps run
+    eagerly, of the CPU's grouping (every group apart) and of the sequential
+    executor."""
+    from contrafl.engine import cuda_graphs, vectorized
 
     model = _model()
     params, buffers = _split(model)
     stages, opt = [Stage(supervised)], SGD(0.1, 0.9, 1e-3)
-    # 60, 36, 12 and 48 steps of 15 samples or fewer: sorted longest first, the steps'
-    # largest groups give keys (a, 15, "masked") 11 times for a=4, 12 for a=3, and
-    # (3, 15) 10, (1, 15) 9 and (2, 15) 8 times (graphs are captured at a shape's second
-    # step when at least MIN_REPLAYS=8 steps are left); with padding (4, 15) 53 times
+    # 60, 36, 12 and 48 steps of 15 samples or fewer (the last batches of the four
+    # clients' epochs hold 10, 3, 9 and 3). Sorted longest first, the keys of the runs
+    # captured (at a shape's second run, when at least MIN_REPLAYS=8 runs are left) are
+    # (4, 15, "masked") and (4, 9, "masked") with 12 runs each, (3, 15, "masked") 14,
+    # (3, 3, "masked") 12, (3, 15) 10 and (1, 15) 9; the others have too few. With
+    # padding: (4, 15) 56 runs, (4, 3) 21, (4, 9) 12 and (4, 10) 12
     x, y, tf, jobs = _jobs(params, buffers, epochs=12, drop_last=False)
     workload = Workload.single(x, y, tf, FunctionalNet(model), stages, opt)
 
@@ -587,7 +590,11 @@ def test_mixed_steps_replay_a_graph_for_their_largest_group(monkeypatch, pad):
     eager = train()
     assert not made[0].graphs
     monkeypatch.setattr(cuda_graphs, "MIN_REPLAYS", 8)
+    gathered = []
+    take = vectorized._Stack.take
+    monkeypatch.setattr(vectorized._Stack, "take", lambda st, idx: gathered.append(idx) or take(st, idx))
     replayed = train()
+    assert not gathered
     _assert_same_results(eager, replayed)
     for a, b, c in zip(seq, apart, replayed):  # rounding grows over 60 steps of lr 0.1: 2.9e-5 from the sequential run
         assert a.steps == b.steps == c.steps
@@ -596,10 +603,11 @@ def test_mixed_steps_replay_a_graph_for_their_largest_group(monkeypatch, pad):
             torch.testing.assert_close(c.params["model"][k], b.params["model"][k], rtol=0, atol=1e-4)
         torch.testing.assert_close(c.stats["loss"], b.stats["loss"], rtol=1e-6, atol=0)
     if pad:
-        assert set(made[1].graphs) == {(4, 15)} and made[1].replays == 52
+        assert set(made[1].graphs) == {(4, 15), (4, 3), (4, 9), (4, 10)}
+        assert made[1].replays == 55 + 20 + 11 + 11
     else:
-        assert set(made[1].graphs) == {(4, 15, "masked"), (3, 15, "masked"), (3, 15), (1, 15)}
-        assert made[1].replays == 10 + 11 + 9 + 8
+        assert set(made[1].graphs) == {(4, 15, "masked"), (4, 9, "masked"), (3, 15, "masked"), (3, 3, "masked"), (3, 15), (1, 15)}
+        assert made[1].replays == 11 + 11 + 13 + 11 + 9 + 8
 
 
 def test_arenas_replay_an_earlier_rounds_graphs(monkeypatch):

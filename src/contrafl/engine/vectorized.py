@@ -19,9 +19,10 @@ of what is left) are stacked padded to the largest. A step whose active clients 
 have batches of one size runs as any other (its shape, clients x batch size, is its
 CUDA graph's key). In a step where they differ (the last of an epoch for some clients)
 each group of one size is gathered from the stack, stepped eagerly and written back;
-where steps are replayed as CUDA graphs, the largest group is instead one step over
-the stack's prefix masked to the group, as padding masks finished clients, with a
-graph key of its own (:func:`_step_groups`).
+where steps are replayed as CUDA graphs, each group is instead one step over the
+stack's prefix masked to the group, as padding masks finished clients, with a graph key
+of its own (:func:`_step_groups`), so that no step runs eagerly once its shapes have
+been seen.
 
 With ``pad_finished`` every step computes all the clients of the phase instead: the
 ones that have finished run on stale batches, and their parameters, buffers, optimiser
@@ -171,7 +172,7 @@ class VectorizedExecutor:
         frozen = sum(state_bytes(v) for v in task.frozen.values())
         if self.pad_finished:  # the step's copies of the parameters, optimiser state and buffers
             per_client += 2 * params + state_bytes(task.buffers)
-        elif any(len(set(plan.sizes)) > 1 for plan in job.plans):  # a mixed step's gathered group (drop_last=false)
+        elif any(len(set(plan.sizes)) > 1 for plan in job.plans):  # a mixed step's masked copies or gathered group
             per_client += 2 * params + state_bytes(task.buffers) + frozen
         if self.arenas is not None and self.cuda_graphs and self.workload.x.is_cuda:  # a round's stack beside the arena's
             per_client += 2 * params + state_bytes(task.buffers)
@@ -290,10 +291,10 @@ class VectorizedExecutor:
         if p == 0:
             seed_global(jobs[0].seed, w.x.device)
         pad = self.pad_finished
-        plan_of_steps = _step_groups(steps, sizes, K, pad, mask_largest=graphs.enabled)
-        any_masked = pad or any(key is not None and key[-1] == "masked" for _, key, _, _ in plan_of_steps)
-        masks = torch.stack([m for *_, m, _ in plan_of_steps]).to(w.x.device) if any_masked else None
-        kept = pytree.tree_leaves((params, buffers, opt_states)) if any_masked else []  # what a masked-out client keeps
+        plan_of_steps = _step_groups(steps, sizes, K, pad, mask_groups=graphs.enabled)
+        masks = [mask for _, runs, _ in plan_of_steps for _, mask in runs if mask is not None]
+        next_mask = iter(torch.stack(masks).to(w.x.device).unbind(0) if masks else ())  # in the runs' order, one copy
+        kept = pytree.tree_leaves((params, buffers, opt_states)) if masks else []  # what a masked-out client keeps
 
         def step(st: _Stack, a: int, b: int, into: slice | torch.Tensor, masked: bool) -> None:
             """One local step of the first ``a`` clients of ``st`` on batches of ``b``;
@@ -337,12 +338,13 @@ class VectorizedExecutor:
             for t, old in zip(kept if masked else [], before):
                 t.copy_(torch.where(_per_client(live, t), t, old))
 
-        left: dict[Any, int] = {}  # steps of each graph key from step s on (a graph's replays)
-        remaining = [0] * S
+        left: dict[Any, int] = {}  # runs of each graph key from step s on (a graph's replays)
+        remaining: list[list[int]] = [[] for _ in range(S)]
         for s in reversed(range(S)):
-            key = plan_of_steps[s][1]
-            left[key] = remaining[s] = left.get(key, 0) + 1  # (None: no graph)
-        for s, (a, key, _, apart) in enumerate(plan_of_steps):
+            for key, _ in plan_of_steps[s][1]:
+                left[key] = left.get(key, 0) + 1
+                remaining[s].append(left[key])
+        for s, (a, runs, apart) in enumerate(plan_of_steps):
             batch_rows[:a].copy_(rows[:a, s])
             for view, dst in zip(augs, batch_augs):
                 for k, v in view.items():
@@ -351,12 +353,11 @@ class VectorizedExecutor:
                 for dst in reps:
                     for name, t in _stack_noise([draw_noise(stage, g, w.x.device) for g in noise_gens[:a]]).items():
                         dst[name][:a].copy_(t)
-            if key is not None:
-                masked = pad or key[-1] == "masked"
-                if masked:
-                    live.copy_(masks[s])
+            for (key, mask), runs_left in zip(runs, remaining[s]):
+                if mask is not None:
+                    live.copy_(next(next_mask))
                 n, b = key[0], key[1]
-                graphs.run(key, remaining[s], lambda n=n, b=b, masked=masked: step(whole, n, b, slice(0, n), masked))
+                graphs.run(key, runs_left, lambda n=n, b=b, masked=mask is not None: step(whole, n, b, slice(0, n), masked))
             for b, members in apart:
                 idx = torch.tensor(members, device=w.x.device)
                 group = whole.take(idx)
@@ -408,7 +409,6 @@ class VectorizedExecutor:
                 randomness="different",
             )
         return self._grad_fns[key]
-
 
     def _update_fn(self, fn: Callable, frozen_dims: Any, consts_dims: Any) -> Callable:
         """``fn`` (a stage's ``pre_step`` or ``post_step``) vectorised over clients."""
@@ -529,36 +529,40 @@ class StepArenas:
 
 
 def _step_groups(
-    steps: list[int], sizes: list[list[int]], K: int, pad: bool, mask_largest: bool
-) -> list[tuple[int, tuple | None, torch.Tensor, list[tuple[int, list[int]]]]]:
+    steps: list[int], sizes: list[list[int]], K: int, pad: bool, mask_groups: bool
+) -> list[tuple[int, list[tuple[tuple, torch.Tensor | None]], list[tuple[int, list[int]]]]]:
     """How each step of a phase trains its clients (sorted by their steps, longest
-    first, so that the ``a`` still training are a prefix): ``(a, key, mask, apart)``.
+    first, so that the ``a`` still training are a prefix): ``(a, runs, apart)``.
 
-    The step's largest group of clients with batches of one size ``b`` (the larger size
-    on a tie) is one step over the prefix, ``[:a]`` (``[:K]`` with padding), whose graph
-    key is ``(a, b)``. Where other clients take part in the step (their last batch of an
-    epoch is partial: ``drop_last=false``), with padding or ``mask_largest`` (steps
-    replayed as CUDA graphs) that step is masked to the group (``mask``: the clients it
-    trains), key ``(a, b, "masked")``, so that the many clients taking full batches
-    still replay one graph; each other group of one size, the ``apart`` list of ``(size,
-    clients)``, is trained on its own, eagerly. Without (on the CPU, where nothing is
-    replayed and the masked-out clients' arithmetic would be wasted) every group of a
-    mixed step is trained apart, and its key is None."""
+    ``runs`` are the steps over the stack's prefix, ``[:a]`` (``[:K]`` with padding),
+    each ``(key, mask)``: its graph key and the clients it trains (None: all ``a``).
+    A step whose clients all take batches of one size ``b`` is one run, key ``(a, b)``.
+    Where their sizes differ (some take the partial last batch of an epoch:
+    ``drop_last=false``), with padding or ``mask_groups`` (steps replayed as CUDA
+    graphs) each group of one size ``b`` is a run masked to the group, key ``(a, b,
+    "masked")`` (with padding ``(K, b)``, as every step of the phase is masked),
+    largest group first: replayed, a masked-out client's wasted arithmetic costs less
+    than an eager step. Without (on the CPU, where nothing is replayed and that
+    arithmetic would be wasted) each group is trained on its own: ``apart``, a list of
+    ``(b, clients)``."""
     out = []
     for s in range(max(steps, default=0)):
         a = sum(1 for n in steps if n > s)
         by_size: dict[int, list[int]] = {}
         for i in range(a):
             by_size.setdefault(sizes[i][s], []).append(i)
-        mask = torch.zeros(K, dtype=torch.bool)
-        if len(by_size) > 1 and not (pad or mask_largest):
-            out.append((a, None, mask, sorted(by_size.items(), reverse=True)))
-            continue
-        b = max(by_size, key=lambda size: (len(by_size[size]), size))
-        mask[by_size.pop(b)] = True
         n = K if pad else a
-        key = (n, b, "masked") if by_size and not pad else (n, b)
-        out.append((a, key, mask, sorted(by_size.items(), reverse=True)))
+        if len(by_size) > 1 and not (pad or mask_groups):
+            out.append((a, [], sorted(by_size.items(), reverse=True)))
+            continue
+        runs = []
+        for b, members in sorted(by_size.items(), key=lambda g: (len(g[1]), g[0]), reverse=True):
+            mask = None
+            if pad or len(by_size) > 1:
+                mask = torch.zeros(K, dtype=torch.bool)
+                mask[members] = True
+            runs.append(((n, b, "masked") if len(by_size) > 1 and not pad else (n, b), mask))
+        out.append((a, runs, []))
     return out
 
 
