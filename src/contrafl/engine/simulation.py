@@ -39,7 +39,7 @@ from torch.utils import _pytree as pytree
 from ..algorithms.base import LocalTask, Phase, Reply, ServerState, StateDict, TrainResult
 from ..algorithms.server_opt import ServerOptimizer
 from ..config import Config, fingerprint
-from ..cores import cores_each
+from ..cores import cores_each, cpu_cores
 from ..data.augment import Transform, Views, view_transform
 from ..errors import CheckpointError, ClientUpdateError, one_line
 from ..metrics.evaluate import evaluate
@@ -61,7 +61,7 @@ from ..rng import derive_seed, generator
 from ..speeds import client_speeds, round_speed, step_budget
 from .run_dir import CHECKPOINT, RunDir
 from .sampling import sample_schedule, secret_sample
-from .setup import Setup, choose_executor, cpu_cores
+from .setup import Setup, choose_executor
 from .signals import interrupts, signal_name, stop_point
 from .tracking import Tracking, open_tracking
 from .validate import check_reply, norm_outliers

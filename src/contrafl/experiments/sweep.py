@@ -221,7 +221,7 @@ def sweep_gpus(configs: Sequence[Any]) -> list[str]:
 def default_workers(configs: Sequence[Any], gpus: Sequence[str] = ()) -> int:
     """Processes for a sweep when not given: one per CPU core (a run of the small models
     of a sweep uses one core well), one per GPU (``gpus``) for runs on CUDA."""
-    from ..engine.setup import cpu_cores
+    from ..cores import cpu_cores
 
     if any(c.device == "cuda" for c in configs):
         return max(1, len(gpus))
@@ -260,7 +260,8 @@ def run_sweep(
     Interrupted` is raised with ``summary`` (what is done, stopped and left) as an
     attribute; the next call continues.
     """
-    from ..engine.setup import check_data_dir, cpu_cores
+    from ..cores import cpu_cores
+    from ..engine.setup import check_data_dir
 
     stream = stream or sys.stdout
     suite = sweep.suite()

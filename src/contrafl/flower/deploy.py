@@ -22,10 +22,10 @@ import torch
 
 from .. import params as P
 from ..config import Config
-from ..cores import cores_each
+from ..cores import cores_each, cpu_cores
 from ..engine.run_dir import RunDir, read_summary
 from ..engine.sampling import clients_per_round
-from ..engine.setup import cpu_cores, prepare
+from ..engine.setup import prepare
 from ..errors import ConfigError, one_line
 from ..files import write_atomic
 from .launch import FlowerLaunchError, LocalDeployment, RunResult, toml_document, toml_string
