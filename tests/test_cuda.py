@@ -177,17 +177,15 @@ def test_mixed_steps_replay_a_graph_for_each_group(tmp_path, step_calls, monkeyp
     convolutions of the global model, shared by the clients, run over other batches
     and round otherwise: on the CPU the two groupings differ by 1.0e-4 after these two
     rounds, the sequential and vectorized executors by 1.1e-3."""
-    from contrafl.engine import vectorized
     from contrafl.engine.cuda_graphs import StepGraphs
+    from test_executors import _record_gathers
 
     write_cifar10(tmp_path / "cifar-10-batches-py", rows=512, test_rows=16)
     args = [f"data_dir={tmp_path}", "dataset=cifar10", "allow_subset=true", "batch_size=24", "drop_last=false",
             "local_epochs=4", "partition=dirichlet", "partition.beta=0.5", "device=cuda", "executor=vectorized",
             *GRAPHED["moon-fp32"]]
     apart = simulate(*args, "cuda_graphs=false")
-    gathered = []
-    take = vectorized._Stack.take
-    monkeypatch.setattr(vectorized._Stack, "take", lambda st, idx: gathered.append(idx) or take(st, idx))
+    gathered = _record_gathers(monkeypatch)
     step_calls.clear()
     graphed = simulate(*args, "cuda_graphs=true")
     assert StepGraphs.failed is None and not gathered

@@ -510,6 +510,17 @@ def _record_graphs(monkeypatch) -> list:
     return made
 
 
+def _record_gathers(monkeypatch) -> list:
+    """From now on every group the vectorized executor gathers from its stack to train
+    apart (:meth:`_Stack.take`); the list of their client positions, in order."""
+    from contrafl.engine import vectorized
+
+    gathered = []
+    take = vectorized._Stack.take
+    monkeypatch.setattr(vectorized._Stack, "take", lambda st, idx: gathered.append(idx) or take(st, idx))
+    return gathered
+
+
 def test_step_graphs_warm_up_then_capture_then_replay():
     from contrafl.engine.cuda_graphs import MIN_REPLAYS, StepGraphs
 
@@ -567,7 +578,7 @@ def test_mixed_steps_replay_a_graph_for_each_group(monkeypatch, pad):
     group is gathered and trained apart; the results are those of the same steps run
     eagerly, of the CPU's grouping (every group apart) and of the sequential
     executor."""
-    from contrafl.engine import cuda_graphs, vectorized
+    from contrafl.engine import cuda_graphs
 
     model = _model()
     params, buffers = _split(model)
@@ -590,9 +601,7 @@ def test_mixed_steps_replay_a_graph_for_each_group(monkeypatch, pad):
     eager = train()
     assert not made[0].graphs
     monkeypatch.setattr(cuda_graphs, "MIN_REPLAYS", 8)
-    gathered = []
-    take = vectorized._Stack.take
-    monkeypatch.setattr(vectorized._Stack, "take", lambda st, idx: gathered.append(idx) or take(st, idx))
+    gathered = _record_gathers(monkeypatch)
     replayed = train()
     assert not gathered
     _assert_same_results(eager, replayed)

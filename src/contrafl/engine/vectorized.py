@@ -551,17 +551,17 @@ def _step_groups(
         by_size: dict[int, list[int]] = {}
         for i in range(a):
             by_size.setdefault(sizes[i][s], []).append(i)
-        n = K if pad else a
-        if len(by_size) > 1 and not (pad or mask_groups):
+        n, mixed = K if pad else a, len(by_size) > 1
+        if mixed and not (pad or mask_groups):
             out.append((a, [], sorted(by_size.items(), reverse=True)))
             continue
         runs = []
         for b, members in sorted(by_size.items(), key=lambda g: (len(g[1]), g[0]), reverse=True):
             mask = None
-            if pad or len(by_size) > 1:
+            if pad or mixed:
                 mask = torch.zeros(K, dtype=torch.bool)
                 mask[members] = True
-            runs.append(((n, b, "masked") if len(by_size) > 1 and not pad else (n, b), mask))
+            runs.append(((n, b, "masked") if mixed and not pad else (n, b), mask))
         out.append((a, runs, []))
     return out
 
