@@ -118,8 +118,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def torchrun_path() -> str | None:
+    """torchrun beside this Python (its virtual environment's), else on PATH."""
+    beside = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    return beside if os.path.exists(beside) else shutil.which("torchrun")
+
+
 @pytest.mark.slow
-@pytest.mark.skipif(shutil.which("torchrun") is None and not os.path.exists(os.path.join(os.path.dirname(sys.executable), "torchrun")), reason="no torchrun")
+@pytest.mark.skipif(torchrun_path() is None, reason="no torchrun")
 def test_torchrun_on_two_launchers_equals_the_run_with_the_same_ranks_bit_for_bit(tmp_path):
     """docs/distributed.md's two-machine command, on 127.0.0.1 with one process per
     launcher (one thread each, as the forked workers of a 2-core machine have): rank 0
@@ -131,11 +137,10 @@ def test_torchrun_on_two_launchers_equals_the_run_with_the_same_ranks_bit_for_bi
         env={**env, "OMP_NUM_THREADS": "2"}, capture_output=True, text=True, timeout=300,
     )
     assert local.returncode == 0, local.stderr[-2000:]
-    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     port = str(free_port())
     launchers = [
         subprocess.Popen(
-            [torchrun, "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
+            [torchrun_path(), "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
              "--master-port", port, "-m", "contrafl", "run", *settings, "--quiet", "--out", str(tmp_path / f"node{node}")],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )

@@ -32,7 +32,9 @@ Starting: ``contrafl run executor=distributed workers=W`` forks the ``W - 1`` wo
 itself (on Linux; elsewhere, and on GPUs, it spawns them, and they load the data anew)
 and connects them over 127.0.0.1. Under ``torchrun`` (``RANK`` and
 ``WORLD_SIZE`` set) every process runs ``contrafl run`` with the same config: rank 0 the
-run, the others :func:`serve` (:func:`launched`). The packets travel over Gloo (on GPUs
+run, the others :func:`serve` (:func:`launched`). Before round 1 rank 0 checks that
+every worker trains its run (:func:`checked`: the same settings, training data and
+contrafl). The packets travel over Gloo (on GPUs
 too: each rank loads them onto its own device) as ``torch.save`` pickles: every rank
 must be the user's own process (torch.distributed's own trust model).
 """
@@ -59,6 +61,7 @@ from ..cores import cores_each
 from ..errors import ContraflError, one_line
 from .partial import restore, summed
 from .progress import RoundWork
+from .same_run import Refused, disagreement, identity
 from .signals import POLL_S, detach_from_signals, stop_point
 
 if TYPE_CHECKING:
@@ -218,7 +221,7 @@ class DistributedTransport:
         self.store = store  # the process group's, where the workers count their steps
         self.workers: list[Any] = []  # the processes this one forked (none under torchrun)
         self.holders: dict[int, int] = {}  # client -> the worker holding its newest state too
-        self.pending: set[int] = set()  # the workers training a packet rank 0 has not had the answer of
+        self.pending: set[int] = set()  # the workers that are not waiting for a packet: training, or not yet checked
         self.threads = torch.get_num_threads()  # this process's, outside its training and at the end
         self.rank_threads = rank_threads or self.threads  # while its share trains and the workers train theirs
 
@@ -315,7 +318,7 @@ def start(sim: Simulation) -> DistributedTransport:
             )
         if not dist.is_initialized():
             dist.init_process_group("gloo", timeout=TIMEOUT)
-        return DistributedTransport(sim, env[1], dist.distributed_c10d._get_default_store())
+        return checked(DistributedTransport(sim, env[1], dist.distributed_c10d._get_default_store()))
     world = sim.cfg.workers or 1
     transport = DistributedTransport(sim, world, rank_threads=cores_each(world))
     if world == 1:
@@ -339,6 +342,39 @@ def start(sim: Simulation) -> DistributedTransport:
             p.join()
         raise
     dist.init_process_group("gloo", store=store, rank=0, world_size=world, timeout=TIMEOUT)
+    return checked(transport)
+
+
+def checked(transport: DistributedTransport) -> DistributedTransport:
+    """``transport`` once every worker has shown that it trains rank 0's run
+    (:mod:`~contrafl.engine.same_run`: settings, training data, contrafl's version);
+    other versions of torch or Python are printed as warnings. A worker that differs
+    ends the run: every worker is told why (and ends with that error), and it is raised
+    here as :class:`~contrafl.engine.same_run.Refused`."""
+    world = transport.world
+    transport.pending = set(range(1, world))  # each is sending its identity
+    try:
+        ours = identity(transport.sim.setup)
+        errors = []
+        for rank in range(1, world):
+            answer = receive(rank)
+            if isinstance(answer, BaseException):
+                raise answer
+            if isinstance(answer, str):
+                raise WorkerError(answer)
+            error, warning = disagreement(rank, ours, answer)
+            if warning is not None:
+                print(f"contrafl: warning: {warning}", file=sys.stderr)
+            if error is not None:
+                errors.append(error)
+        if errors:
+            for rank in range(1, world):
+                send(Refused(errors[0]), rank)
+            raise Refused(errors[0])
+    except BaseException:
+        transport.close()  # the workers are not idle: forked ones are killed, launched ones lose rank 0
+        raise
+    transport.pending.clear()
     return transport
 
 
@@ -410,7 +446,10 @@ def _forked_worker(setup: Setup, port: int, rank: int, world: int) -> None:
     store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=TIMEOUT)
     store.set(joined_key(rank), "1")
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=TIMEOUT)
-    serve(Simulation(setup), store)
+    try:
+        serve(Simulation(setup), store)
+    except Refused:  # rank 0 reports it
+        pass
 
 
 def serve_launched(setup: Setup) -> None:
@@ -423,13 +462,18 @@ def serve_launched(setup: Setup) -> None:
 
 
 def serve(sim: Simulation, store: dist.Store) -> None:
-    """A worker's life: train the clients of each packet rank 0 sends, with the states
+    """A worker's life: send rank 0 this process's :func:`~contrafl.engine.same_run.
+    identity` (raising :class:`~contrafl.engine.same_run.Refused` where rank 0 refuses
+    it), then train the clients of each packet rank 0 sends, with the states
     it sends, counting the local steps in the process group's ``store`` for rank 0's
     progress (:class:`StepsReport`), and answer with their outcomes and next states,
     until a stop packet (or the loss of rank 0, which raises). ``sim`` has no run
     directory: nothing of the run is written here."""
     try:
+        send(identity(sim.setup), 0)  # for rank 0's check that this rank trains its run (checked)
         while (packet := receive(0, sim.device)) is not None:
+            if isinstance(packet, Refused):
+                raise packet
             t, messages = packet["t"], packet["messages"]
             for cid, state in packet["states"].items():
                 if state is not None:
@@ -439,6 +483,8 @@ def serve(sim: Simulation, store: dist.Store) -> None:
             report.flush(work)
             outcomes, mean = summed_outcomes(sim, outcomes, messages) if sim.sums_replies else (outcomes, [])
             send(([(outcome, sim.store.get(outcome.cid)) for outcome in outcomes], mean), 0)
+    except Refused:  # rank 0 has ended the run with this error
+        raise
     except ContraflError as exc:  # a user error: rank 0 raises it as it is
         send(exc, 0)
     except WorkerError:  # rank 0 is gone: nobody to tell
