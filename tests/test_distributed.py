@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -17,7 +19,7 @@ import pytest
 import torch
 
 from contrafl.algorithms.registry import ALGORITHMS
-from contrafl.cli import main
+from contrafl.cli import main, serve_rank
 from contrafl.config import load_config
 from contrafl.errors import ConfigError
 from contrafl.engine import distributed
@@ -97,6 +99,53 @@ def test_killed_in_the_middle_of_a_round_resumes_to_the_same_bytes(tmp_path):
     assert main(["run", "--quiet", "--resume", str(run)]) == 0
     assert (run / "metrics.jsonl").read_bytes() == (tmp_path / "clean" / "metrics.jsonl").read_bytes()
     assert not processes_naming(str(run))  # the killed rank 0's forked workers died with it
+
+
+def test_a_worker_killed_in_round_3_ends_the_run_in_one_line_and_the_run_resumes_to_the_same_bytes(tmp_path, monkeypatch, capsys):
+    """A forked worker killed by SIGKILL (the out-of-memory killer's signal) while it
+    trains round 3: rank 0 ends at once with one line naming the rank, how its process
+    ended and the resume command (exit status 1, no traceback); the resumed run ends
+    byte-identical to the uninterrupted one."""
+    settings = [*MOON, "executor=distributed", "workers=2"]
+    assert main(["run", "--quiet", "--out", str(tmp_path / "clean"), *settings]) == 0
+    parent, train_locally = os.getpid(), Simulation.train_locally
+
+    def killed(self, t, *args, **kwargs):
+        if os.getpid() != parent and t == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return train_locally(self, t, *args, **kwargs)
+
+    monkeypatch.setattr(Simulation, "train_locally", killed)  # the forked worker inherits it
+    run = tmp_path / "run"
+    capsys.readouterr()
+    assert main(["run", "--quiet", "--out", str(run), *settings]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert re.fullmatch(
+        r"contrafl: error: rank 1 is gone \([^;()]*; its process \d+: killed by signal 9, SIGKILL: out of memory\?\) "
+        rf"in round 3; `contrafl run --resume {re.escape(str(run))}` continues from round 3", err), err
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["error"].startswith("RankLost: rank 1 is gone")
+    monkeypatch.setattr(Simulation, "train_locally", train_locally)
+    assert main(["run", "--quiet", "--resume", str(run)]) == 0
+    assert (run / "metrics.jsonl").read_bytes() == (tmp_path / "clean" / "metrics.jsonl").read_bytes()
+
+
+def test_a_rank_that_loses_rank_0_under_torchrun_ends_in_one_line(monkeypatch, capsys):
+    def lost(setup):
+        raise distributed.RankLost(0, distributed._connection(RuntimeError(
+            "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer [10.0.0.1]:28587. "
+            "This is typically caused by a remote worker crashing. Check the logs of the remote worker before reporting an error.")))
+
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(distributed, "serve_launched", lost)
+    assert serve_rank(None) == 1
+    assert capsys.readouterr().err == (
+        "contrafl: error: rank 0 is gone (Connection closed by peer [10.0.0.1]:28587); rank 1 ends with it "
+        "(`contrafl run --resume RUN` on every machine continues the run)\n")
+    monkeypatch.setenv("RANK", "0")
+    assert serve_rank(None) is None
 
 
 def processes_naming(text: str) -> list[int]:

@@ -80,8 +80,8 @@ def cmd_run(ns: argparse.Namespace) -> int:
     check_data_dir(cfg)
     distributed.bind_device()
     setup = prepare(cfg)
-    if serve_rank(setup):
-        return 0
+    if (served := serve_rank(setup)) is not None:
+        return served
     cfg = setup.config
     if cfg.dp.name != "none":
         require_accounting()
@@ -156,8 +156,8 @@ def resume_run(ns: argparse.Namespace) -> int:
         )
     distributed.bind_device()
     setup = prepare(cfg)
-    if serve_rank(setup):
-        return 0
+    if (served := serve_rank(setup)) is not None:
+        return served
     sim = resume(setup, run_dir, None if ns.quiet else Progress(setup.config.rounds, sys.stdout))
     sim.estimated_time_s = None if extending else summary.get("estimated_time_s")  # made before round 1
     if not ns.quiet:
@@ -170,20 +170,26 @@ def resume_run(ns: argparse.Namespace) -> int:
     return run_simulation(sim, ns.quiet)
 
 
-def serve_rank(setup) -> bool:
+def serve_rank(setup) -> int | None:
     """Under torchrun, a rank other than 0 serves the run of rank 0 (which writes the run
-    directory and prints) and says so: True once it has served it."""
+    directory and prints): its exit status once it has served it; None for rank 0 and
+    outside torchrun. Losing rank 0 is one line, as rank 0's run resumes."""
     from .engine import distributed
 
     env = distributed.launched()
     if env is None or env[0] == 0:
-        return False
-    distributed.serve_launched(setup)
-    return True
+        return None
+    try:
+        distributed.serve_launched(setup)
+    except distributed.RankLost as exc:
+        print(f"contrafl: error: {exc}; rank {env[0]} ends with it (`contrafl run --resume RUN` on every machine continues the run)", file=sys.stderr)
+        return EXIT_FAILED
+    return 0
 
 
 def run_simulation(sim, quiet: bool) -> int:
     """Run ``sim`` and turn how it ended into a message and an exit status."""
+    from .engine.distributed import RankLost
     from .engine.signals import exit_code, signal_name
 
     where = sim.run_dir.path
@@ -197,6 +203,9 @@ def run_simulation(sim, quiet: bool) -> int:
         return EXIT_DIVERGED
     except ContraflError as exc:
         raise ContraflError(f"{exc} (results up to round {sim.rounds_done} are in {where})") from None
+    except RankLost as exc:  # not a bug of contrafl's: no traceback
+        print(f"contrafl: error: {exc} in round {sim.rounds_done + 1}; {_resume_hint(sim)}", file=sys.stderr)
+        return EXIT_FAILED
     except Exception:
         traceback.print_exc()
         print(f"contrafl: the run failed in round {sim.rounds_done + 1} (error above); {_resume_hint(sim)}", file=sys.stderr)

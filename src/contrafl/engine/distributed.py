@@ -45,6 +45,8 @@ import dataclasses
 import datetime
 import io
 import os
+import re
+import signal
 import sys
 import threading
 import time
@@ -76,6 +78,23 @@ SLACK = 0.1  # a client stays on the worker that holds its state while that work
 
 class WorkerError(RuntimeError):
     """A worker failed: its exception (first line) and traceback."""
+
+
+class RankLost(WorkerError):
+    """Rank ``rank`` is gone (its process killed or out of memory, its machine or the
+    network down): ``reason`` is how the connection ended, and what else is known of it.
+    A run cannot go on without it; it resumes from its last checkpoint."""
+
+    def __init__(self, rank: int, reason: str) -> None:
+        super().__init__(f"rank {rank} is gone ({reason})")
+        self.rank, self.reason = rank, reason
+
+
+def _connection(exc: BaseException) -> str:
+    """How Gloo says a connection ended, without its source location and advice:
+    ``Connection closed by peer [127.0.0.1]:28587``."""
+    text = re.sub(r"^\[[^\]]*\]\s*", "", str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__)
+    return text.split(". ")[0].rstrip(".")
 
 
 def launched() -> tuple[int, int] | None:
@@ -142,7 +161,16 @@ def _wait(work: Any, peer: int, waiting: Callable[[], object] | None = None) -> 
         if waiting is not None:
             waiting()
     if failed:
-        raise WorkerError(f"rank {peer} is gone ({one_line(failed[0])})")
+        raise RankLost(peer, _connection(failed[0]))
+
+
+def _post(op: Callable[[torch.Tensor, int], Any], tensor: torch.Tensor, peer: int) -> Any:
+    """``op(tensor, peer)`` (``dist.isend``, ``dist.irecv``): :class:`RankLost` where
+    Gloo finds the connection to ``peer`` closed already."""
+    try:
+        return op(tensor, peer)
+    except RuntimeError as exc:
+        raise RankLost(peer, _connection(exc)) from None
 
 
 def send(obj: Any, peer: int) -> None:
@@ -151,17 +179,17 @@ def send(obj: Any, peer: int) -> None:
     buffer = io.BytesIO()
     torch.save(obj, buffer)
     data = torch.frombuffer(buffer.getbuffer(), dtype=torch.uint8)
-    _wait(dist.isend(torch.tensor([data.numel()], dtype=torch.int64), peer), peer)
-    _wait(dist.isend(data, peer), peer)
+    _wait(_post(dist.isend, torch.tensor([data.numel()], dtype=torch.int64), peer), peer)
+    _wait(_post(dist.isend, data, peer), peer)
 
 
 def receive(peer: int, device: torch.device | str = "cpu", waiting: Callable[[], object] | None = None) -> Any:
     """The next object rank ``peer`` sends, its tensors on ``device`` (``waiting``: called
     every :data:`POLL_S` seconds until it starts to come)."""
     size = torch.zeros(1, dtype=torch.int64)
-    _wait(dist.irecv(size, peer), peer, waiting)
+    _wait(_post(dist.irecv, size, peer), peer, waiting)
     data = torch.empty(int(size), dtype=torch.uint8)
-    _wait(dist.irecv(data, peer), peer)
+    _wait(_post(dist.irecv, data, peer), peer)
     return torch.load(io.BytesIO(data.numpy().tobytes()), map_location=device, weights_only=False)
 
 
@@ -235,6 +263,29 @@ class DistributedTransport:
             torch.set_num_threads(self.threads)
 
     def _train(
+        self, t: int, cids: list[int], message_for: Callable[[int], dict[str, Any]], phases: list[Phase]
+    ) -> Iterator[ClientOutcome]:
+        try:
+            yield from self._train_on_ranks(t, cids, message_for, phases)
+        except RankLost as lost:
+            raise self.known_end(lost) from None
+
+    def known_end(self, lost: RankLost) -> RankLost:
+        """``lost`` with how the worker process ended where this process forked it:
+        its exit code, or the signal that killed it."""
+        if not self.workers:
+            return lost
+        process = self.workers[lost.rank - 1]
+        process.join(1)
+        code = process.exitcode
+        if code is None:
+            return lost
+        how = f"exit code {code}" if code >= 0 else f"killed by signal {-code}"
+        if code == -signal.SIGKILL:
+            how += ", SIGKILL: out of memory?"
+        return RankLost(lost.rank, f"{lost.reason}; its process {process.pid}: {how}")
+
+    def _train_on_ranks(
         self, t: int, cids: list[int], message_for: Callable[[int], dict[str, Any]], phases: list[Phase]
     ) -> Iterator[ClientOutcome]:
         sim = self.sim
