@@ -6,6 +6,7 @@ killed run resumes to the same bytes, and a failing worker ends the run with its
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -201,6 +202,37 @@ def test_torchrun_on_two_launchers_equals_the_run_with_the_same_ranks_bit_for_bi
     assert (tmp_path / "node0" / "metrics.jsonl").read_bytes() == (tmp_path / "local" / "metrics.jsonl").read_bytes()
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(torchrun_path() is None, reason="no torchrun")
+def test_torchrun_on_two_launchers_resumes_a_run_in_a_shared_directory(tmp_path):
+    """docs/distributed.md's `--resume RUN` on both launchers, RUN on a filesystem both
+    see (here one machine): the launchers above rank 0 read its config without taking
+    rank 0's lock on it, and the run extended from 2 to 4 rounds equals the same
+    extension with `workers=2` byte for byte."""
+    settings = [*MOON, "rounds=2", "executor=distributed"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
+    for out in ("local", "launched"):
+        done = subprocess.run([sys.executable, "-m", "contrafl", "run", *settings, "workers=2", "--quiet", "--out", str(tmp_path / out)],
+                              env={**env, "OMP_NUM_THREADS": "2"}, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+    extended = subprocess.run([sys.executable, "-m", "contrafl", "run", "--resume", str(tmp_path / "local"), "rounds=4", "workers=2", "--quiet"],
+                              env={**env, "OMP_NUM_THREADS": "2"}, capture_output=True, text=True, timeout=300)
+    assert extended.returncode == 0, extended.stderr[-2000:]
+    port = str(free_port())
+    launchers = [
+        subprocess.Popen(
+            [torchrun_path(), "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
+             "--master-port", port, "-m", "contrafl", "run", "--resume", str(tmp_path / "launched"), "rounds=4", "--quiet"],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        for node in (0, 1)
+    ]
+    outputs = [p.communicate(timeout=300)[0] for p in launchers]
+    assert [p.returncode for p in launchers] == [0, 0], outputs
+    assert (tmp_path / "launched" / "metrics.jsonl").read_bytes() == (tmp_path / "local" / "metrics.jsonl").read_bytes()
+    assert len((tmp_path / "launched" / "metrics.jsonl").read_text().splitlines()) == 4
+
+
 def test_a_failing_worker_ends_the_run_with_its_error(tmp_path, monkeypatch):
     """A worker whose training raises: rank 0 raises its first line (the run directory
     records the run as failed) and the workers are gone."""
@@ -271,9 +303,21 @@ def test_a_worker_that_ends_before_it_joins_is_one_error_at_once(monkeypatch):
 def test_another_executor_under_torchrun_is_one_line(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(distributed, "launched_run", contextlib.nullcontext)  # no second rank to meet here
     assert main(["run", "executor=parallel", "--out", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "executor=parallel under torchrun" in err and "executor=distributed" in err
+
+
+def test_rank_and_world_size_set_without_a_launcher_is_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    assert main(["run", "--out", str(tmp_path / "run")]) == 2
+    assert capsys.readouterr().err == (
+        "contrafl: error: RANK=0 and WORLD_SIZE=2 are set, but not the rest of a launcher's environment (environment "
+        "variable MASTER_ADDR expected, but not set); start contrafl under torchrun, or unset RANK and WORLD_SIZE\n")
+    assert not (tmp_path / "run").exists()
 
 
 def test_workers_send_their_valid_replies_as_one_mean_and_a_bad_reply_alone(tmp_path, monkeypatch):

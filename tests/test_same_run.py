@@ -83,40 +83,51 @@ def test_a_forked_worker_that_trains_another_run_ends_the_run_before_round_1(tmp
     assert not torch.distributed.is_initialized()
 
 
+CASES = {  # the second (or first) machine's difference: what each launcher's one error line says
+    "settings": ([], ["seed=7"], "(rank 0 -> rank 1: seed: 0 -> 7)", "(rank 0 -> rank 1: seed: 0 -> 7)"),
+    "data": ([], ["data_dir={b}"], "has other training data in data_dir={b}", "has other training data in data_dir={b}"),
+    "a worker's setup": ([], ["lr=abc"], "could not start the run: lr='abc' is invalid", "lr='abc' is invalid"),
+    "rank 0's setup": (["data_dir={missing}"], [], "data_dir={missing}", "rank 0 (on "),
+}
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(torchrun_path() is None, reason="no torchrun")
-@pytest.mark.parametrize("case", ["settings", "data"])
-def test_torchrun_launchers_of_two_runs_end_with_the_difference_on_both(tmp_path, case):
-    """docs/distributed.md's two-machine command, where the second machine's command
-    has another seed, or its data_dir other data: both launchers end, each printing one
-    error line that names the difference, and rank 0's run directory records it."""
+@pytest.mark.parametrize("case", list(CASES))
+def test_torchrun_launchers_that_cannot_train_one_run_end_at_once_in_one_line_each(tmp_path, case):
+    """docs/distributed.md's two-machine command, where one machine's command has
+    another seed, its data_dir other data, an invalid setting, or no data at all: both
+    launchers end within seconds (not the process group's 30 minutes), each printing
+    one error line that names the difference or the rank that could not start, and
+    rank 0's run directory, where it was made, records the run as failed."""
     rng = np.random.default_rng(0)
     x, y = rng.normal(size=(120, 8)).astype(np.float32), rng.integers(0, 3, 120)
     np.savez(tmp_path / "a.npz", x_train=x, y_train=y, x_test=x[:30], y_test=y[:30])
     x[5, 3] += 1
     np.savez(tmp_path / "b.npz", x_train=x, y_train=y, x_test=x[:30], y_test=y[:30])
-    base = ["algorithm=fedavg", "dataset=arrays", "model=mlp", "num_clients=4", "rounds=2", "batch_size=8", "executor=distributed"]
-    extra = {"settings": (["data_dir=" + str(tmp_path / "a.npz")], ["data_dir=" + str(tmp_path / "a.npz"), "seed=7"]),
-             "data": (["data_dir=" + str(tmp_path / "a.npz")], ["data_dir=" + str(tmp_path / "b.npz")])}[case]
+    paths = {"b": tmp_path / "b.npz", "missing": tmp_path / "missing.npz"}
+    base = ["algorithm=fedavg", "dataset=arrays", f"data_dir={tmp_path / 'a.npz'}", "model=mlp", "num_clients=4",
+            "rounds=2", "batch_size=8", "executor=distributed"]
+    extra0, extra1, said0, said1 = (x.format(**paths) if isinstance(x, str) else [v.format(**paths) for v in x] for x in CASES[case])
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     port = str(free_port())
     launchers = [
         subprocess.Popen(
             [torchrun_path(), "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
-             "--master-port", port, "-m", "contrafl", "run", *base, *extra[node], "--quiet", "--out", str(tmp_path / f"node{node}")],
+             "--master-port", port, "-m", "contrafl", "run", *base, *extra, "--quiet", "--out", str(tmp_path / f"node{node}")],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )
-        for node in (0, 1)
+        for node, extra in enumerate((extra0, extra1))
     ]
-    outputs = [p.communicate(timeout=300)[0] for p in launchers]
+    outputs = [p.communicate(timeout=120)[0] for p in launchers]
     assert all(p.returncode != 0 for p in launchers), outputs
-    named = "(rank 0 -> rank 1: seed: 0 -> 7)" if case == "settings" else "has other training data in data_dir="
-    for out in outputs:
+    for out, said in zip(outputs, (said0, said1)):
         errors = [line for line in out.splitlines() if line.startswith("contrafl: error: ")]
-        assert len(errors) == 1 and named in errors[0], out
+        assert len(errors) == 1 and said in errors[0], out
         assert "Traceback" not in out.split("failed (exitcode: 2)")[0]  # before torchrun's report of its exit status 2
-    summary = json.loads((tmp_path / "node0" / "summary.json").read_text())
-    assert summary["status"] == "failed" and named in summary["error"]
+    if (tmp_path / "node0").exists():
+        summary = json.loads((tmp_path / "node0" / "summary.json").read_text())
+        assert summary["status"] == "failed" and said0 in summary["error"] and summary["rounds_completed"] == 0
     assert not (tmp_path / "node1").exists()
 
 

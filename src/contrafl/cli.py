@@ -10,6 +10,7 @@ with status 2.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import sys
@@ -60,8 +61,24 @@ def _split_run_args(args: list[str]) -> tuple[str | None, list[str]]:
 
 
 def cmd_run(ns: argparse.Namespace) -> int:
-    if ns.resume:
-        return resume_run(ns)
+    with _ranks_met():
+        return resume_run(ns) if ns.resume else start_run(ns)
+
+
+def _ranks_met() -> contextlib.AbstractContextManager[None]:
+    """Under torchrun (``RANK`` and ``WORLD_SIZE`` set), the process group joined first,
+    so that a rank that cannot start the run tells the others
+    (:func:`~contrafl.engine.distributed.launched_run`); otherwise nothing (and no
+    torch import before a configuration's quick errors)."""
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return contextlib.nullcontext()
+    from .engine import distributed
+
+    return distributed.launched_run()
+
+
+def start_run(ns: argparse.Namespace) -> int:
+    """``contrafl run [CONFIG] [KEY=VALUE...]``: a new run."""
     from .engine.tracking import require  # imports no torch
 
     config_path, overrides = _split_run_args(ns.args)
@@ -135,7 +152,8 @@ def resume_run(ns: argparse.Namespace) -> int:
                 f"{key}={value} would change what the resumed run computes; a resumed run takes only "
                 f"{', '.join(EXECUTION_SETTINGS)}, and rounds=N to extend it (start a new run to change {key})"
             )
-    run_dir = RunDir(Path(ns.resume), resume=True)
+    launched = distributed.launched()
+    run_dir = RunDir(Path(ns.resume), resume=True, lock=launched is None or launched[0] == 0)  # the others only read it
     cfg = load_config(run_dir.path / "config.yaml", overrides)
     before = load_config(run_dir.path / "config.yaml").rounds or cfg.rounds  # the run's own
     require(cfg.tracking)

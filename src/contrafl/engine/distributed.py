@@ -41,12 +41,14 @@ must be the user's own process (torch.distributed's own trust model).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import io
 import os
 import re
 import signal
+import socket
 import sys
 import threading
 import time
@@ -399,34 +401,85 @@ def start(sim: Simulation) -> DistributedTransport:
 def checked(transport: DistributedTransport) -> DistributedTransport:
     """``transport`` once every worker has shown that it trains rank 0's run
     (:mod:`~contrafl.engine.same_run`: settings, training data, contrafl's version);
-    other versions of torch or Python are printed as warnings. A worker that differs
-    ends the run: every worker is told why (and ends with that error), and it is raised
-    here as :class:`~contrafl.engine.same_run.Refused`."""
+    other versions of torch or Python are printed as warnings. A worker that differs,
+    or that could not start the run (its first message is then its error), ends the
+    run: the waiting workers are told why (and end with that error), and it is raised
+    here (:class:`~contrafl.engine.same_run.Refused` where a rank differs)."""
     world = transport.world
     transport.pending = set(range(1, world))  # each is sending its identity
     try:
         ours = identity(transport.sim.setup)
-        errors = []
+        failure: BaseException | None = None
+        waiting = []  # the workers that sent their identity, and wait for a packet
         for rank in range(1, world):
             answer = receive(rank)
-            if isinstance(answer, BaseException):
-                raise answer
-            if isinstance(answer, str):
-                raise WorkerError(answer)
-            error, warning = disagreement(rank, ours, answer)
-            if warning is not None:
-                print(f"contrafl: warning: {warning}", file=sys.stderr)
-            if error is not None:
-                errors.append(error)
-        if errors:
-            for rank in range(1, world):
-                send(Refused(errors[0]), rank)
-            raise Refused(errors[0])
+            if isinstance(answer, dict):
+                waiting.append(rank)
+                error, warning = disagreement(rank, ours, answer)
+                if warning is not None:
+                    print(f"contrafl: warning: {warning}", file=sys.stderr)
+                answer = None if error is None else Refused(error)
+            elif isinstance(answer, str):
+                answer = WorkerError(answer)
+            failure = failure or answer
+        if failure is not None:
+            for rank in waiting:
+                send(Refused(str(failure).splitlines()[0]), rank)
+            raise failure
     except BaseException:
         transport.close()  # the workers are not idle: forked ones are killed, launched ones lose rank 0
         raise
     transport.pending.clear()
     return transport
+
+
+@contextlib.contextmanager
+def launched_run() -> Iterator[None]:
+    """The body of ``contrafl run`` on a rank that ``torchrun`` started, in the process
+    group it joins first, so that a rank that cannot start the run (a configuration
+    error, missing data, a stop request) tells the others instead of leaving them
+    waiting for it for :data:`TIMEOUT`. A worker sends its error to rank 0 in place of
+    its identity (:func:`checked` raises it); rank 0, where it ends before it has
+    checked the workers, takes each worker's first message and answers it with its own
+    error (:class:`~contrafl.engine.same_run.Refused`). Outside torchrun: the body alone."""
+    env = launched()
+    if env is None:
+        yield
+        return
+    if not dist.is_initialized():
+        try:
+            dist.init_process_group("gloo", timeout=TIMEOUT)
+        except ValueError as exc:  # RANK and WORLD_SIZE set, but not by a launcher
+            raise ContraflError(
+                f"RANK={env[0]} and WORLD_SIZE={env[1]} are set, but not the rest of a launcher's environment "
+                f"({str(exc).split('rendezvous: ')[-1]}); start contrafl under torchrun, or unset RANK and WORLD_SIZE"
+            ) from None
+    try:
+        yield
+    except BaseException as exc:
+        if dist.is_initialized():  # it ended before it met the other ranks (serve and the run end the group)
+            _tell_the_ranks(env, f"could not start the run: {str(exc).strip().splitlines()[0] if isinstance(exc, ContraflError) else one_line(exc)}")
+        raise
+    if dist.is_initialized():
+        _tell_the_ranks(env, "ended before round 1")
+
+
+def _tell_the_ranks(env: tuple[int, int], what: str) -> None:
+    """Rank ``env[0]`` of ``env[1]`` has ended before it met the others: ``what`` it
+    did, as :class:`~contrafl.engine.same_run.Refused`, to rank 0 (a worker) or to every
+    worker that sent its first message (rank 0); then it leaves the process group."""
+    rank, world = env
+    reason = Refused(f"rank {rank} (on {socket.gethostname()}) {what}")
+    try:
+        if rank != 0:
+            send(reason, 0)
+        for peer in range(1, world) if rank == 0 else ():
+            if isinstance(receive(peer), dict):
+                send(reason, peer)
+    except WorkerError:  # a rank gone already
+        pass
+    finally:
+        dist.destroy_process_group()
 
 
 def joined_key(rank: int) -> str:
@@ -508,7 +561,8 @@ def serve_launched(setup: Setup) -> None:
     :func:`serve` with a simulation of its own."""
     from .simulation import Simulation
 
-    dist.init_process_group("gloo", timeout=TIMEOUT)
+    if not dist.is_initialized():  # contrafl run has joined it first (launched_run)
+        dist.init_process_group("gloo", timeout=TIMEOUT)
     serve(Simulation(setup), dist.distributed_c10d._get_default_store())
 
 

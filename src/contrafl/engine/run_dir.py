@@ -84,10 +84,12 @@ class RunDir:
 
     ``resume=True`` opens the directory of an earlier run to continue it. While the
     object lives, the directory is locked (``.lock``, released when the process ends,
-    however it ends), so that two processes never write the same run.
+    however it ends), so that two processes never write the same run; ``lock=False``
+    opens it to read (the ranks of torchrun above 0, which read the run's config while
+    rank 0 resumes it).
     """
 
-    def __init__(self, path: Path, resume: bool = False) -> None:
+    def __init__(self, path: Path, resume: bool = False, lock: bool = True) -> None:
         self.path = Path(path)
         if resume:
             if not (self.path / "config.yaml").is_file():
@@ -105,7 +107,7 @@ class RunDir:
             raise ConfigError(
                 f"cannot make the run directory {self.path} ({exc.strerror or type(exc).__name__}); choose an --out you can write"
             ) from None
-        self._lock = _lock(self.path / LOCK)
+        self._lock = _lock(self.path / LOCK) if lock else None
 
     def close(self) -> None:
         """Release the directory's lock (the run is over)."""
