@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -38,6 +39,12 @@ MOON = ["algorithm=moon", "num_clients=6", "sample_fraction=0.5", "rounds=4", "l
 
 def metrics(path) -> list[dict]:
     return [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
+
+
+def torchrun_path() -> str | None:
+    """torchrun beside this Python (its virtual environment's), else on PATH."""
+    beside = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    return beside if os.path.exists(beside) else shutil.which("torchrun")
 
 
 def test_shares_are_balanced_and_keep_clients_on_the_rank_that_holds_their_state():
@@ -132,6 +139,66 @@ def test_a_worker_killed_in_round_3_ends_the_run_in_one_line_and_the_run_resumes
     assert (run / "metrics.jsonl").read_bytes() == (tmp_path / "clean" / "metrics.jsonl").read_bytes()
 
 
+def test_a_worker_stopped_in_round_3_stops_the_run_and_it_resumes_to_the_same_bytes(tmp_path, monkeypatch, capsys):
+    """A stop request on a worker (SIGTERM from a scheduler on that machine, recorded as
+    its handler records it) is its answer to the round's packet: rank 0 stops the run
+    as a stop of its own would (status interrupted, 128 + the signal, the resume
+    command), and the resumed run ends byte-identical to the uninterrupted one."""
+    from contrafl.engine import signals
+
+    settings = [*MOON, "executor=distributed", "workers=2"]
+    assert main(["run", "--quiet", "--out", str(tmp_path / "clean"), *settings]) == 0
+    parent, train_locally = os.getpid(), Simulation.train_locally
+
+    def stopped(self, t, *args, **kwargs):
+        if os.getpid() != parent and t == 2:
+            signals._record(signal.SIGTERM, None)
+        return train_locally(self, t, *args, **kwargs)
+
+    monkeypatch.setattr(Simulation, "train_locally", stopped)  # the forked worker inherits it
+    run = tmp_path / "run"
+    capsys.readouterr()
+    assert main(["run", "--quiet", "--out", str(run), *settings]) == 128 + signal.SIGTERM
+    assert capsys.readouterr().err.strip() == f"interrupted by SIGTERM after round 2; `contrafl run --resume {run}` continues from round 3"
+    assert json.loads((run / "summary.json").read_text())["status"] == "interrupted"
+    monkeypatch.setattr(Simulation, "train_locally", train_locally)
+    assert main(["run", "--quiet", "--resume", str(run)]) == 0
+    assert (run / "metrics.jsonl").read_bytes() == (tmp_path / "clean" / "metrics.jsonl").read_bytes()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torchrun_path() is None, reason="no torchrun")
+def test_sigterm_to_a_torchrun_worker_stops_both_launchers_as_interrupted(tmp_path):
+    """A scheduler's SIGTERM to the worker rank's process (its own machine's) while the
+    run trains: both ranks end as stopped (exit 143, rank 0 with the resume command), not
+    as failed."""
+    settings = ["algorithm=moon", "num_clients=20", "rounds=500", "local_epochs=2", "executor=distributed", "--quiet"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    port = str(free_port())
+    launchers = [
+        subprocess.Popen(
+            [torchrun_path(), "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
+             "--master-port", port, "-m", "contrafl", "run", *settings, "--out", str(tmp_path / f"node{node}")],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        for node in (0, 1)
+    ]
+    metrics = tmp_path / "node0" / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 3) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    worker = [pid for pid in processes_naming(str(tmp_path / "node1"))  # torchrun's child, not torchrun
+              if open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")[1:4] == [b"-u", b"-m", b"contrafl"]]
+    assert len(worker) == 1
+    os.kill(worker[0], signal.SIGTERM)
+    outputs = [p.communicate(timeout=120)[0] for p in launchers]
+    assert [p.returncode for p in launchers] == [1, 1], outputs  # torchrun's own status for a failed worker
+    assert "(exitcode: 143)" in outputs[0] and "(exitcode: 143)" in outputs[1]
+    assert re.search(rf"^interrupted by SIGTERM after round \d+; `contrafl run --resume {re.escape(str(tmp_path / 'node0'))}`", outputs[0], re.M)
+    assert "contrafl: interrupted by SIGTERM" in outputs[1]
+    assert json.loads((tmp_path / "node0" / "summary.json").read_text())["status"] == "interrupted"
+
+
 def test_a_rank_that_loses_rank_0_under_torchrun_ends_in_one_line(monkeypatch, capsys):
     def lost(setup):
         raise distributed.RankLost(0, distributed._connection(RuntimeError(
@@ -166,12 +233,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def torchrun_path() -> str | None:
-    """torchrun beside this Python (its virtual environment's), else on PATH."""
-    beside = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    return beside if os.path.exists(beside) else shutil.which("torchrun")
 
 
 @pytest.mark.slow

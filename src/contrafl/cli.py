@@ -969,9 +969,11 @@ def main(argv: list[str] | None = None) -> int:
     except ContraflError as exc:
         print(f"contrafl: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    except KeyboardInterrupt:
-        print("\ncontrafl: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as exc:
+        from .engine.signals import exit_code, signal_name
+
+        print(f"\ncontrafl: interrupted by {signal_name(exc)}", file=sys.stderr)
+        return exit_code(exc)
     except BrokenPipeError:  # the reader left (`contrafl list | head -1`): stop quietly, as `cat` does
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush writes nowhere
         return EXIT_BROKEN_PIPE

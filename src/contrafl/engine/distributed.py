@@ -66,7 +66,7 @@ from ..errors import ContraflError, one_line
 from .partial import restore, summed
 from .progress import RoundWork
 from .same_run import Refused, disagreement, identity
-from .signals import POLL_S, detach_from_signals, stop_point
+from .signals import POLL_S, detach_from_signals, interrupts, stop_point
 
 if TYPE_CHECKING:
     from ..config import Config
@@ -142,10 +142,10 @@ def assign(steps: dict[int, int], holders: dict[int, int], world: int) -> list[l
 
 
 # -- the wire ------------------------------------------------------------------------
-def _wait(work: Any, peer: int, waiting: Callable[[], object] | None = None) -> None:
+def _wait(work: Any, peer: int, waiting: Callable[[], object] | None = None, stoppable: bool = True) -> None:
     """Wait for ``work`` (a send or receive with ``peer``), looking for a stop request
-    (and calling ``waiting``) every :data:`POLL_S` seconds: a thread waits (Gloo's waits
-    cannot be polled)."""
+    (where ``stoppable``) and calling ``waiting`` every :data:`POLL_S` seconds: a thread
+    waits (Gloo's waits cannot be polled)."""
     done = threading.Event()
     failed: list[BaseException] = []
 
@@ -159,7 +159,8 @@ def _wait(work: Any, peer: int, waiting: Callable[[], object] | None = None) -> 
 
     threading.Thread(target=wait, daemon=True).start()
     while not done.wait(POLL_S):
-        stop_point()
+        if stoppable:
+            stop_point()
         if waiting is not None:
             waiting()
     if failed:
@@ -185,11 +186,14 @@ def send(obj: Any, peer: int) -> None:
     _wait(_post(dist.isend, data, peer), peer)
 
 
-def receive(peer: int, device: torch.device | str = "cpu", waiting: Callable[[], object] | None = None) -> Any:
+def receive(
+    peer: int, device: torch.device | str = "cpu", waiting: Callable[[], object] | None = None, stoppable: bool = True
+) -> Any:
     """The next object rank ``peer`` sends, its tensors on ``device`` (``waiting``: called
-    every :data:`POLL_S` seconds until it starts to come)."""
+    every :data:`POLL_S` seconds until it starts to come; ``stoppable``: a stop request
+    raises while it waits)."""
     size = torch.zeros(1, dtype=torch.int64)
-    _wait(_post(dist.irecv, size, peer), peer, waiting)
+    _wait(_post(dist.irecv, size, peer), peer, waiting, stoppable)
     data = torch.empty(int(size), dtype=torch.uint8)
     _wait(_post(dist.irecv, data, peer), peer)
     return torch.load(io.BytesIO(data.numpy().tobytes()), map_location=device, weights_only=False)
@@ -573,30 +577,63 @@ def serve(sim: Simulation, store: dist.Store) -> None:
     it sends, counting the local steps in the process group's ``store`` for rank 0's
     progress (:class:`StepsReport`), and answer with their outcomes and next states,
     until a stop packet (or the loss of rank 0, which raises). ``sim`` has no run
-    directory: nothing of the run is written here."""
+    directory: nothing of the run is written here.
+
+    A worker speaks only when rank 0 listens: its identity, then one answer to each
+    packet (a send waits for the peer's receive, so a word of its own while rank 0
+    sends it a packet would leave both waiting). An error, or a stop request (SIGINT,
+    SIGTERM, SIGHUP, where a launcher started it; rank 0 stops forked workers itself),
+    is the answer to the packet it has, or to the next one: rank 0 raises it, so a
+    stopped worker stops the run as a stop of rank 0 would (:class:`~contrafl.engine.
+    signals.Interrupted`), and the worker ends with it too."""
+    answer_due = True  # rank 0 waits for this rank's identity first
     try:
-        send(identity(sim.setup), 0)  # for rank 0's check that this rank trains its run (checked)
-        while (packet := receive(0, sim.device)) is not None:
-            if isinstance(packet, Refused):
-                raise packet
-            t, messages = packet["t"], packet["messages"]
-            for cid, state in packet["states"].items():
-                if state is not None:
-                    sim.store.put(cid, state)
-            work, sim.progress = RoundWork(t + 1, len(messages)), (report := StepsReport(store, t))
-            outcomes = list(sim.train_locally(t, list(messages), messages.__getitem__, sim.algorithm.phases(t), work))
-            report.flush(work)
-            outcomes, mean = summed_outcomes(sim, outcomes, messages) if sim.sums_replies else (outcomes, [])
-            send(([(outcome, sim.store.get(outcome.cid)) for outcome in outcomes], mean), 0)
-    except Refused:  # rank 0 has ended the run with this error
-        raise
-    except ContraflError as exc:  # a user error: rank 0 raises it as it is
-        send(exc, 0)
-    except WorkerError:  # rank 0 is gone: nobody to tell
-        raise
-    except BaseException as exc:  # reported to rank 0, which raises it
-        send(f"a worker failed with {one_line(exc)}\n{traceback.format_exc()}", 0)
+        with interrupts():  # a stop request waits for the next safe point, stop_point()
+            try:
+                send(identity(sim.setup), 0)  # for rank 0's check that this rank trains its run (checked)
+                answer_due = False
+                while (packet := receive(0, sim.device, stoppable=False)) is not None:
+                    answer_due = True
+                    if isinstance(packet, Refused):
+                        raise packet
+                    stop_point()
+                    send(_answer(sim, store, packet), 0)
+                    answer_due = False
+            except Refused:  # rank 0 has ended the run with this error
+                raise
+            except WorkerError:  # rank 0 is gone: nobody to tell (a stop requested here ends this rank as stopped)
+                stop_point()
+                raise
+            except ContraflError as exc:  # a user error: rank 0 raises it as it is
+                if answer_due:
+                    send(exc, 0)
+            except KeyboardInterrupt as exc:  # a stop request: rank 0 stops the run, and this rank ends
+                if answer_due:
+                    send(exc, 0)
+                raise
+            except BaseException as exc:  # reported to rank 0, which raises it
+                if answer_due:
+                    send(f"a worker failed with {one_line(exc)}\n{traceback.format_exc()}", 0)
+                else:
+                    raise
     finally:
         sim.store.close()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _answer(sim: Simulation, store: dist.Store, packet: dict[str, Any]) -> tuple[list[tuple[ClientOutcome, Any]], list[torch.Tensor]]:
+    """A worker's answer to ``packet``: its clients trained with the states it brings
+    (the local steps counted in ``store`` for rank 0's progress), their outcomes with
+    their next states, and the mean of their valid replies where the server sums them
+    (:func:`summed_outcomes`)."""
+    t, messages = packet["t"], packet["messages"]
+    for cid, state in packet["states"].items():
+        if state is not None:
+            sim.store.put(cid, state)
+    work, sim.progress = RoundWork(t + 1, len(messages)), (report := StepsReport(store, t))
+    outcomes = list(sim.train_locally(t, list(messages), messages.__getitem__, sim.algorithm.phases(t), work))
+    report.flush(work)
+    stop_point()  # a stop requested while the clients trained: the answer is the stop
+    outcomes, mean = summed_outcomes(sim, outcomes, messages) if sim.sums_replies else (outcomes, [])
+    return [(outcome, sim.store.get(outcome.cid)) for outcome in outcomes], mean
