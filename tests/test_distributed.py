@@ -237,61 +237,43 @@ def free_port() -> int:
 
 @pytest.mark.slow
 @pytest.mark.skipif(torchrun_path() is None, reason="no torchrun")
-def test_torchrun_on_two_launchers_equals_the_run_with_the_same_ranks_bit_for_bit(tmp_path):
+def test_torchrun_on_two_launchers_equals_the_run_with_the_same_ranks_bit_for_bit_and_resumes(tmp_path):
     """docs/distributed.md's two-machine command, on 127.0.0.1 with one process per
     launcher (one thread each, as the forked workers of a 2-core machine have): rank 0
-    writes the run, rank 1 nothing, and the metrics equal `workers=2`'s byte for byte."""
-    settings = [*MOON, "executor=distributed"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
-    local = subprocess.run(
-        [sys.executable, "-m", "contrafl", "run", *settings, "workers=2", "--quiet", "--out", str(tmp_path / "local")],
-        env={**env, "OMP_NUM_THREADS": "2"}, capture_output=True, text=True, timeout=300,
-    )
-    assert local.returncode == 0, local.stderr[-2000:]
-    port = str(free_port())
-    launchers = [
-        subprocess.Popen(
-            [torchrun_path(), "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
-             "--master-port", port, "-m", "contrafl", "run", *settings, "--quiet", "--out", str(tmp_path / f"node{node}")],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )
-        for node in (0, 1)
-    ]
-    outputs = [p.communicate(timeout=300)[0] for p in launchers]
-    assert [p.returncode for p in launchers] == [0, 0], outputs
-    assert not (tmp_path / "node1").exists()
-    assert (tmp_path / "node0" / "metrics.jsonl").read_bytes() == (tmp_path / "local" / "metrics.jsonl").read_bytes()
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(torchrun_path() is None, reason="no torchrun")
-def test_torchrun_on_two_launchers_resumes_a_run_in_a_shared_directory(tmp_path):
-    """docs/distributed.md's `--resume RUN` on both launchers, RUN on a filesystem both
-    see (here one machine): the launchers above rank 0 read its config without taking
-    rank 0's lock on it, and the run extended from 2 to 4 rounds equals the same
-    extension with `workers=2` byte for byte."""
+    writes the run, rank 1 nothing, and the metrics equal `workers=2`'s byte for byte.
+    Then its `--resume RUN rounds=4` on both launchers, RUN on a filesystem both see
+    (here one machine): the launchers above rank 0 read its config without taking rank
+    0's lock on it, and the extended run equals the same extension with `workers=2`."""
     settings = [*MOON, "rounds=2", "executor=distributed"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
-    for out in ("local", "launched"):
-        done = subprocess.run([sys.executable, "-m", "contrafl", "run", *settings, "workers=2", "--quiet", "--out", str(tmp_path / out)],
+
+    def local(*args: str) -> None:
+        done = subprocess.run([sys.executable, "-m", "contrafl", "run", *args, "workers=2", "--quiet"],
                               env={**env, "OMP_NUM_THREADS": "2"}, capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr[-2000:]
-    extended = subprocess.run([sys.executable, "-m", "contrafl", "run", "--resume", str(tmp_path / "local"), "rounds=4", "workers=2", "--quiet"],
-                              env={**env, "OMP_NUM_THREADS": "2"}, capture_output=True, text=True, timeout=300)
-    assert extended.returncode == 0, extended.stderr[-2000:]
-    port = str(free_port())
-    launchers = [
-        subprocess.Popen(
-            [torchrun_path(), "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
-             "--master-port", port, "-m", "contrafl", "run", "--resume", str(tmp_path / "launched"), "rounds=4", "--quiet"],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )
-        for node in (0, 1)
-    ]
-    outputs = [p.communicate(timeout=300)[0] for p in launchers]
-    assert [p.returncode for p in launchers] == [0, 0], outputs
-    assert (tmp_path / "launched" / "metrics.jsonl").read_bytes() == (tmp_path / "local" / "metrics.jsonl").read_bytes()
-    assert len((tmp_path / "launched" / "metrics.jsonl").read_text().splitlines()) == 4
+
+    def launched(*args: str) -> None:
+        port = str(free_port())
+        launchers = [
+            subprocess.Popen(
+                [torchrun_path(), "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1", "--master-addr",
+                 "127.0.0.1", "--master-port", port, "-m", "contrafl", "run", *args, "--quiet"],
+                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            )
+            for node in (0, 1)
+        ]
+        outputs = [p.communicate(timeout=300)[0] for p in launchers]
+        assert [p.returncode for p in launchers] == [0, 0], outputs
+
+    local(*settings, "--out", str(tmp_path / "local"))
+    launched(*settings, "--out", str(tmp_path / "launched"))
+    metrics = tmp_path / "launched" / "metrics.jsonl"
+    assert metrics.read_bytes() == (tmp_path / "local" / "metrics.jsonl").read_bytes()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["launched", "local"]  # rank 1 wrote nothing
+    local("--resume", str(tmp_path / "local"), "rounds=4")
+    launched("--resume", str(tmp_path / "launched"), "rounds=4")
+    assert len(metrics.read_text().splitlines()) == 4
+    assert metrics.read_bytes() == (tmp_path / "local" / "metrics.jsonl").read_bytes()
 
 
 def test_a_failing_worker_ends_the_run_with_its_error(tmp_path, monkeypatch):

@@ -84,7 +84,6 @@ def test_a_forked_worker_that_trains_another_run_ends_the_run_before_round_1(tmp
 
 
 CASES = {  # the second (or first) machine's difference: what each launcher's one error line says
-    "settings": ([], ["seed=7"], "(rank 0 -> rank 1: seed: 0 -> 7)", "(rank 0 -> rank 1: seed: 0 -> 7)"),
     "data": ([], ["data_dir={b}"], "has other training data in data_dir={b}", "has other training data in data_dir={b}"),
     "a worker's setup": ([], ["lr=abc"], "could not start the run: lr='abc' is invalid", "lr='abc' is invalid"),
     "rank 0's setup": (["data_dir={missing}"], [], "data_dir={missing}", "rank 0 (on "),
@@ -95,8 +94,9 @@ CASES = {  # the second (or first) machine's difference: what each launcher's on
 @pytest.mark.skipif(torchrun_path() is None, reason="no torchrun")
 @pytest.mark.parametrize("case", list(CASES))
 def test_torchrun_launchers_that_cannot_train_one_run_end_at_once_in_one_line_each(tmp_path, case):
-    """docs/distributed.md's two-machine command, where one machine's command has
-    another seed, its data_dir other data, an invalid setting, or no data at all: both
+    """docs/distributed.md's two-machine command, where one machine's data_dir holds
+    other data (other settings take the same path: the first test), or its command
+    has an invalid setting, or no data at all: both
     launchers end within seconds (not the process group's 30 minutes), each printing
     one error line that names the difference or the rank that could not start, and
     rank 0's run directory, where it was made, records the run as failed."""
