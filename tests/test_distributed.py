@@ -352,6 +352,16 @@ def test_another_executor_under_torchrun_is_one_line(tmp_path, capsys, monkeypat
     assert len(err.splitlines()) == 1 and "executor=parallel under torchrun" in err and "executor=distributed" in err
 
 
+def test_what_a_rank_that_ended_before_round_1_tells_the_others():
+    from contrafl.engine.signals import Interrupted
+
+    assert distributed._why(Interrupted(signal.SIGTERM)) == "was stopped by SIGTERM before round 1"
+    assert distributed._why(ConfigError("lr='abc' is invalid\nsee docs")) == "could not start the run: lr='abc' is invalid"
+    assert distributed._why(MemoryError()) == "could not start the run: MemoryError"
+    assert distributed._connection(RuntimeError("[gloo/pair.cc:537] Read error [10.0.0.2]:3723: Connection reset by peer. Check the logs.")) == (
+        "Read error [10.0.0.2]:3723: Connection reset by peer")
+
+
 def test_rank_and_world_size_set_without_a_launcher_is_one_line(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")

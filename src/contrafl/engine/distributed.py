@@ -66,7 +66,7 @@ from ..errors import ContraflError, one_line
 from .partial import restore, summed
 from .progress import RoundWork
 from .same_run import Refused, disagreement, identity
-from .signals import POLL_S, detach_from_signals, interrupts, stop_point
+from .signals import POLL_S, detach_from_signals, interrupts, signal_name, stop_point
 
 if TYPE_CHECKING:
     from ..config import Config
@@ -95,8 +95,8 @@ class RankLost(WorkerError):
 def _connection(exc: BaseException) -> str:
     """How Gloo says a connection ended, without its source location and advice:
     ``Connection closed by peer [127.0.0.1]:28587``."""
-    text = re.sub(r"^\[[^\]]*\]\s*", "", str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__)
-    return text.split(". ")[0].rstrip(".")
+    lines = str(exc).strip().splitlines() or [type(exc).__name__]
+    return re.sub(r"^\[[^\]]*\]\s*", "", lines[0]).split(". ")[0].rstrip(".")
 
 
 def launched() -> tuple[int, int] | None:
@@ -462,10 +462,18 @@ def launched_run() -> Iterator[None]:
         yield
     except BaseException as exc:
         if dist.is_initialized():  # it ended before it met the other ranks (serve and the run end the group)
-            _tell_the_ranks(env, f"could not start the run: {str(exc).strip().splitlines()[0] if isinstance(exc, ContraflError) else one_line(exc)}")
+            _tell_the_ranks(env, _why(exc))
         raise
     if dist.is_initialized():
         _tell_the_ranks(env, "ended before round 1")
+
+
+def _why(exc: BaseException) -> str:
+    """What a rank that ended with ``exc`` before it met the others did, for them."""
+    if isinstance(exc, KeyboardInterrupt):
+        return f"was stopped by {signal_name(exc)} before round 1"
+    text = str(exc).strip().splitlines()[0] if isinstance(exc, ContraflError) and str(exc).strip() else one_line(exc)
+    return f"could not start the run: {text}"
 
 
 def _tell_the_ranks(env: tuple[int, int], what: str) -> None:
