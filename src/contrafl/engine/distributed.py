@@ -472,8 +472,8 @@ def _why(exc: BaseException) -> str:
     """What a rank that ended with ``exc`` before it met the others did, for them."""
     if isinstance(exc, KeyboardInterrupt):
         return f"was stopped by {signal_name(exc)} before round 1"
-    text = str(exc).strip().splitlines()[0] if isinstance(exc, ContraflError) and str(exc).strip() else one_line(exc)
-    return f"could not start the run: {text}"
+    lines = str(exc).strip().splitlines()
+    return f"could not start the run: {lines[0] if isinstance(exc, ContraflError) and lines else one_line(exc)}"
 
 
 def _tell_the_ranks(env: tuple[int, int], what: str) -> None:
@@ -485,9 +485,10 @@ def _tell_the_ranks(env: tuple[int, int], what: str) -> None:
     try:
         if rank != 0:
             send(reason, 0)
-        for peer in range(1, world) if rank == 0 else ():
-            if isinstance(receive(peer), dict):
-                send(reason, peer)
+        else:
+            for peer in range(1, world):
+                if isinstance(receive(peer), dict):
+                    send(reason, peer)
     except WorkerError:  # a rank gone already
         pass
     finally:
