@@ -47,6 +47,20 @@ def torchrun_path() -> str | None:
     return beside if os.path.exists(beside) else shutil.which("torchrun")
 
 
+def two_launchers(args_of_node: list[list[str]], env: dict[str, str]) -> list[subprocess.Popen]:
+    """docs/distributed.md's two-machine command on 127.0.0.1: one torchrun launcher per
+    node, one process each, running `contrafl run` with that node's arguments."""
+    port = str(free_port())
+    return [
+        subprocess.Popen(
+            [torchrun_path(), "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
+             "--master-port", port, "-m", "contrafl", "run", *args],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        for node, args in enumerate(args_of_node)
+    ]
+
+
 def test_shares_are_balanced_and_keep_clients_on_the_rank_that_holds_their_state():
     steps = {0: 10, 1: 10, 2: 10, 3: 10, 4: 5, 5: 5}
     assert assign(steps, {}, 2) == [[0, 2, 4], [1, 3, 5]]  # longest first to the least loaded
@@ -174,15 +188,7 @@ def test_sigterm_to_a_torchrun_worker_stops_both_launchers_as_interrupted(tmp_pa
     as failed."""
     settings = ["algorithm=moon", "num_clients=20", "rounds=500", "local_epochs=2", "executor=distributed", "--quiet"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    port = str(free_port())
-    launchers = [
-        subprocess.Popen(
-            [torchrun_path(), "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
-             "--master-port", port, "-m", "contrafl", "run", *settings, "--out", str(tmp_path / f"node{node}")],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )
-        for node in (0, 1)
-    ]
+    launchers = two_launchers([[*settings, "--out", str(tmp_path / f"node{node}")] for node in (0, 1)], env)
     metrics = tmp_path / "node0" / "metrics.jsonl"
     deadline = time.monotonic() + 120
     while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 3) and time.monotonic() < deadline:
@@ -253,15 +259,7 @@ def test_torchrun_on_two_launchers_equals_the_run_with_the_same_ranks_bit_for_bi
         assert done.returncode == 0, done.stderr[-2000:]
 
     def launched(*args: str) -> None:
-        port = str(free_port())
-        launchers = [
-            subprocess.Popen(
-                [torchrun_path(), "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1", "--master-addr",
-                 "127.0.0.1", "--master-port", port, "-m", "contrafl", "run", *args, "--quiet"],
-                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            )
-            for node in (0, 1)
-        ]
+        launchers = two_launchers([[*args, "--quiet"]] * 2, env)
         outputs = [p.communicate(timeout=300)[0] for p in launchers]
         assert [p.returncode for p in launchers] == [0, 0], outputs
 

@@ -9,7 +9,6 @@ import dataclasses
 import json
 import multiprocessing
 import os
-import subprocess
 import sys
 
 import numpy as np
@@ -24,7 +23,7 @@ from contrafl.engine.run_dir import RunDir
 from contrafl.engine.same_run import Refused, data_digest, disagreement, identity
 from contrafl.engine.setup import prepare
 from contrafl.engine.simulation import Simulation
-from test_distributed import MOON, free_port, torchrun_path
+from test_distributed import MOON, torchrun_path, two_launchers
 
 SETUP = prepare(load_config(None, [*MOON, "executor=distributed"]))
 
@@ -107,15 +106,9 @@ def test_torchrun_launchers_that_cannot_train_one_run_end_at_once_in_one_line_ea
             "rounds=2", "batch_size=8", "executor=distributed"]
     extra0, extra1, said0, said1 = (x.format(**paths) if isinstance(x, str) else [v.format(**paths) for v in x] for x in CASES[case])
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    port = str(free_port())
-    launchers = [
-        subprocess.Popen(
-            [torchrun_path(), "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
-             "--master-port", port, "-m", "contrafl", "run", *base, *extra, "--quiet", "--out", str(tmp_path / f"node{node}")],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )
-        for node, extra in enumerate((extra0, extra1))
-    ]
+    launchers = two_launchers(
+        [[*base, *extra, "--quiet", "--out", str(tmp_path / f"node{node}")] for node, extra in enumerate((extra0, extra1))], env
+    )
     outputs = [p.communicate(timeout=120)[0] for p in launchers]
     assert all(p.returncode != 0 for p in launchers), outputs
     for out, said in zip(outputs, (said0, said1)):
