@@ -7,7 +7,9 @@ killed run resumes to the same bytes, and a failing worker ends the run with its
 from __future__ import annotations
 
 import contextlib
+import datetime
 import json
+import multiprocessing
 import os
 import re
 import shutil
@@ -123,6 +125,19 @@ def test_killed_in_the_middle_of_a_round_resumes_to_the_same_bytes(tmp_path):
     assert not processes_naming(str(run))  # the killed rank 0's forked workers died with it
 
 
+def on_the_workers(monkeypatch, t: int, act) -> None:
+    """``act()`` in each forked worker as it is given round ``t``'s clients (``t``
+    counted from 0), before they train: the workers inherit the patch."""
+    parent, train_locally = os.getpid(), Simulation.train_locally
+
+    def acting(self, round_, *args, **kwargs):
+        if os.getpid() != parent and round_ == t:
+            act()
+        return train_locally(self, round_, *args, **kwargs)
+
+    monkeypatch.setattr(Simulation, "train_locally", acting)
+
+
 def test_a_worker_killed_in_round_3_ends_the_run_in_one_line_and_the_run_resumes_to_the_same_bytes(tmp_path, monkeypatch, capsys):
     """A forked worker killed by SIGKILL (the out-of-memory killer's signal) while it
     trains round 3: rank 0 ends at once with one line naming the rank, how its process
@@ -130,14 +145,7 @@ def test_a_worker_killed_in_round_3_ends_the_run_in_one_line_and_the_run_resumes
     byte-identical to the uninterrupted one."""
     settings = [*MOON, "executor=distributed", "workers=2"]
     assert main(["run", "--quiet", "--out", str(tmp_path / "clean"), *settings]) == 0
-    parent, train_locally = os.getpid(), Simulation.train_locally
-
-    def killed(self, t, *args, **kwargs):
-        if os.getpid() != parent and t == 2:
-            os.kill(os.getpid(), signal.SIGKILL)
-        return train_locally(self, t, *args, **kwargs)
-
-    monkeypatch.setattr(Simulation, "train_locally", killed)  # the forked worker inherits it
+    on_the_workers(monkeypatch, 2, lambda: os.kill(os.getpid(), signal.SIGKILL))
     run = tmp_path / "run"
     capsys.readouterr()
     assert main(["run", "--quiet", "--out", str(run), *settings]) == 1
@@ -148,9 +156,77 @@ def test_a_worker_killed_in_round_3_ends_the_run_in_one_line_and_the_run_resumes
         rf"in round 3; `contrafl run --resume {re.escape(str(run))}` continues from round 3", err), err
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "failed" and summary["error"].startswith("RankLost: rank 1 is gone")
-    monkeypatch.setattr(Simulation, "train_locally", train_locally)
+    monkeypatch.undo()
     assert main(["run", "--quiet", "--resume", str(run)]) == 0
     assert (run / "metrics.jsonl").read_bytes() == (tmp_path / "clean" / "metrics.jsonl").read_bytes()
+
+
+def test_a_rank_busy_for_longer_than_the_process_groups_timeout_is_waited_for(tmp_path, monkeypatch):
+    """The process group's timeout is for joining it: a worker whose answer waits for
+    rank 0's share of round 2, and rank 0 waiting for a worker's share of round 3, each
+    longer than that timeout, are waited for (the run failed with `rank 0 is gone
+    (Timed out waiting ... for send operation to complete)` while Gloo's waits used it)."""
+    monkeypatch.setattr(distributed, "TIMEOUT", datetime.timedelta(seconds=1))
+    parent, train_locally = os.getpid(), Simulation.train_locally
+
+    def slow(self, t, *args, **kwargs):
+        if t == (1 if os.getpid() == parent else 2):
+            time.sleep(1.5)
+        return train_locally(self, t, *args, **kwargs)
+
+    monkeypatch.setattr(Simulation, "train_locally", slow)  # the forked worker inherits it
+    assert main(["run", "--quiet", "--out", str(tmp_path / "run"), *MOON, "executor=distributed", "workers=2"]) == 0
+    assert [m["round"] for m in metrics(tmp_path / "run")] == [1, 2, 3, 4]
+
+
+def test_a_silent_worker_ends_the_run_in_one_line(tmp_path, monkeypatch, capsys):
+    """A worker whose process stops (SIGSTOP: its connections stay open, as where its
+    machine or the network is gone) is not heard from: rank 0 ends the run after
+    :data:`distributed.SILENCE_S` seconds of its silence with one line and the resume
+    command, and kills it."""
+    monkeypatch.setattr(distributed, "SILENCE_S", 1.5)
+    monkeypatch.setattr(distributed, "BEAT_S", 0.1)
+    on_the_workers(monkeypatch, 2, lambda: os.kill(os.getpid(), signal.SIGSTOP))
+    run = tmp_path / "run"
+    assert main(["run", "--quiet", "--out", str(run), *MOON, "executor=distributed", "workers=2"]) == 1
+    assert re.fullmatch(
+        r"contrafl: error: rank 1 is gone \(not heard from for [12] s: its process stopped, or its machine or the network down\) "
+        rf"in round 3; `contrafl run --resume {re.escape(str(run))}` continues from round 3\n", capsys.readouterr().err)
+    assert multiprocessing.active_children() == []
+
+
+def _silent_rank_0(port: int, rank: int) -> None:
+    """Rank ``rank`` of 2 on 127.0.0.1: rank 0 (the store's host) joins and stops itself;
+    rank 1 waits for a packet from it, and exits with 3 on :class:`RankLost`."""
+    store = torch.distributed.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, timeout=distributed.TIMEOUT)
+    distributed._join(rank, 2, store)
+    if rank == 0:
+        time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGSTOP)
+    try:
+        distributed.receive(0)
+    except distributed.RankLost as lost:
+        print(lost, flush=True)
+        distributed._leave()
+        os._exit(3)
+    os._exit(0)
+
+
+def test_a_worker_whose_rank_0_falls_silent_ends(monkeypatch, capfd):
+    """Rank 0 stopped (its machine gone, with the store it hosts): a worker waiting for its
+    packet gives up after :data:`distributed.SILENCE_S` seconds and leaves the group,
+    though the store no longer answers its own sign of life."""
+    monkeypatch.setattr(distributed, "SILENCE_S", 1.5)
+    monkeypatch.setattr(distributed, "BEAT_S", 0.1)
+    ctx, port = multiprocessing.get_context("fork"), free_port()
+    ranks = [ctx.Process(target=_silent_rank_0, args=(port, rank)) for rank in range(2)]
+    for p in ranks:
+        p.start()
+    ranks[1].join(30)
+    ranks[0].kill()
+    ranks[0].join()
+    assert ranks[1].exitcode == 3
+    assert "rank 0 is gone (not heard from for" in capfd.readouterr().out
 
 
 def test_a_worker_stopped_in_round_3_stops_the_run_and_it_resumes_to_the_same_bytes(tmp_path, monkeypatch, capsys):
@@ -162,20 +238,13 @@ def test_a_worker_stopped_in_round_3_stops_the_run_and_it_resumes_to_the_same_by
 
     settings = [*MOON, "executor=distributed", "workers=2"]
     assert main(["run", "--quiet", "--out", str(tmp_path / "clean"), *settings]) == 0
-    parent, train_locally = os.getpid(), Simulation.train_locally
-
-    def stopped(self, t, *args, **kwargs):
-        if os.getpid() != parent and t == 2:
-            signals._record(signal.SIGTERM, None)
-        return train_locally(self, t, *args, **kwargs)
-
-    monkeypatch.setattr(Simulation, "train_locally", stopped)  # the forked worker inherits it
+    on_the_workers(monkeypatch, 2, lambda: signals._record(signal.SIGTERM, None))
     run = tmp_path / "run"
     capsys.readouterr()
     assert main(["run", "--quiet", "--out", str(run), *settings]) == 128 + signal.SIGTERM
     assert capsys.readouterr().err.strip() == f"interrupted by SIGTERM after round 2; `contrafl run --resume {run}` continues from round 3"
     assert json.loads((run / "summary.json").read_text())["status"] == "interrupted"
-    monkeypatch.setattr(Simulation, "train_locally", train_locally)
+    monkeypatch.undo()
     assert main(["run", "--quiet", "--resume", str(run)]) == 0
     assert (run / "metrics.jsonl").read_bytes() == (tmp_path / "clean" / "metrics.jsonl").read_bytes()
 
@@ -206,7 +275,7 @@ def test_sigterm_to_a_torchrun_worker_stops_both_launchers_as_interrupted(tmp_pa
 
 
 def test_a_rank_that_loses_rank_0_under_torchrun_ends_in_one_line(monkeypatch, capsys):
-    def lost(setup):
+    def lost(setup, rank, world):
         raise distributed.RankLost(0, distributed._connection(RuntimeError(
             "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer [10.0.0.1]:28587. "
             "This is typically caused by a remote worker crashing. Check the logs of the remote worker before reporting an error.")))

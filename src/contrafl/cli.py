@@ -198,7 +198,7 @@ def serve_rank(setup) -> int | None:
     if env is None or env[0] == 0:
         return None
     try:
-        distributed.serve_launched(setup)
+        distributed.serve_launched(setup, *env)
     except distributed.RankLost as exc:
         print(f"contrafl: error: {exc}; rank {env[0]} ends with it (`contrafl run --resume RUN` on every machine continues the run)", file=sys.stderr)
         return EXIT_FAILED

@@ -53,7 +53,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -74,7 +74,10 @@ if TYPE_CHECKING:
     from .simulation import ClientOutcome, Scores, Simulation, StateDict
 
 REPORT_S = 0.5  # how often a worker adds its local steps to rank 0's counter
-TIMEOUT = datetime.timedelta(minutes=30)  # the process group's: a worker lost for this long ends the run
+TIMEOUT = datetime.timedelta(minutes=30)  # for joining the process group: the ranks wait this long for the others
+PATIENCE = datetime.timedelta(days=365)  # a send or receive waits this long for a rank still heard from (its work)
+BEAT_S = 1.0  # how often a rank adds to its counter in the store, and reads the counters of the ranks it waits for
+SILENCE_S = 120.0  # a rank whose counter has not moved for this long is gone (its process stopped, its machine down)
 SLACK = 0.1  # a client stays on the worker that holds its state while that worker's load stays within 1.1x the mean
 
 
@@ -141,17 +144,89 @@ def assign(steps: dict[int, int], holders: dict[int, int], world: int) -> list[l
     return [sorted(share) for share in shares]
 
 
+# -- the process group: joining, leaving, and knowing the others alive ------------------
+class Pulse:
+    """This rank's sign of life, and what it hears of the ``peers`` it waits for: a
+    thread adds 1 to this rank's counter in the process group's ``store`` every
+    :data:`BEAT_S` seconds and reads the peers' counters. It alone talks to the store
+    for this, so that a store which stops answering (its host, rank 0's machine, gone)
+    silences the peers rather than blocking a wait. A wait for a peer that has been
+    silent for :data:`SILENCE_S` seconds gives up (:func:`_wait`); a peer that is only
+    busy (a long round, a long evaluation) is waited for as long as it works."""
+
+    def __init__(self, store: dist.Store, rank: int, peers: Iterable[int]) -> None:
+        self.store, self.key = store, beat_key(rank)
+        self.heard = {peer: (-1, time.monotonic()) for peer in peers}  # peer -> (its counter, when it last moved)
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._beat, name="contrafl-pulse", daemon=True)
+        self.thread.start()
+
+    def _beat(self) -> None:
+        try:
+            while True:
+                self.store.add(self.key, 1)
+                for peer, (count, _) in list(self.heard.items()):
+                    if (now := self.store.add(beat_key(peer), 0)) != count:
+                        self.heard[peer] = (now, time.monotonic())
+                if self.stopped.wait(BEAT_S):
+                    return
+        except Exception:  # noqa: BLE001 - the store is gone: the peers fall silent, and the waits say so
+            return
+
+    def silence(self, peer: int) -> float:
+        """Seconds since ``peer``'s counter last moved (0 for a rank this one does not wait for)."""
+        heard = self.heard.get(peer)
+        return 0.0 if heard is None else time.monotonic() - heard[1]
+
+    def stop(self) -> None:
+        self.stopped.set()
+        self.thread.join(BEAT_S)
+
+
+def beat_key(rank: int) -> str:
+    """The process group store's counter of rank ``rank``'s signs of life (:class:`Pulse`)."""
+    return f"contrafl/beat/{rank}"
+
+
+_pulse: Pulse | None = None  # this process's, while it is in the process group (torch.distributed's is per process too)
+
+
+def _join(rank: int, world: int, store: dist.Store | None = None) -> None:
+    """Join the process group as rank ``rank`` of ``world``, over ``store`` (by default
+    the launcher's, from the environment), unless joined already, and start this rank's
+    :class:`Pulse`: rank 0 listens to every worker, a worker to rank 0."""
+    global _pulse
+    if dist.is_initialized():
+        return
+    if store is None:
+        dist.init_process_group("gloo", timeout=TIMEOUT)
+    else:
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=TIMEOUT)
+    _pulse = Pulse(dist.distributed_c10d._get_default_store(), rank, range(1, world) if rank == 0 else [0])
+
+
+def _leave() -> None:
+    """Leave the process group, this rank's :class:`Pulse` first."""
+    global _pulse
+    if _pulse is not None:
+        _pulse.stop()
+        _pulse = None
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 # -- the wire ------------------------------------------------------------------------
 def _wait(work: Any, peer: int, waiting: Callable[[], object] | None = None, stoppable: bool = True) -> None:
-    """Wait for ``work`` (a send or receive with ``peer``), looking for a stop request
-    (where ``stoppable``) and calling ``waiting`` every :data:`POLL_S` seconds: a thread
-    waits (Gloo's waits cannot be polled)."""
+    """Wait for ``work`` (a send or receive with ``peer``) while ``peer`` is heard from
+    (:class:`Pulse`; :class:`RankLost` once it has been silent for :data:`SILENCE_S`
+    seconds), looking for a stop request (where ``stoppable``) and calling ``waiting``
+    every :data:`POLL_S` seconds: a thread waits (Gloo's waits cannot be polled)."""
     done = threading.Event()
     failed: list[BaseException] = []
 
     def wait() -> None:
         try:
-            work.wait()
+            work.wait(PATIENCE)  # not the process group's timeout: a busy peer is no lost one
         except BaseException as exc:  # noqa: BLE001 - re-raised below
             failed.append(exc)
         finally:
@@ -163,6 +238,8 @@ def _wait(work: Any, peer: int, waiting: Callable[[], object] | None = None, sto
             stop_point()
         if waiting is not None:
             waiting()
+        if _pulse is not None and (silence := _pulse.silence(peer)) >= SILENCE_S:
+            raise RankLost(peer, f"not heard from for {silence:.0f} s: its process stopped, or its machine or the network down")
     if failed:
         raise RankLost(peer, _connection(failed[0]))
 
@@ -355,8 +432,7 @@ class DistributedTransport:
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        _leave()
         torch.set_num_threads(self.threads)
 
 
@@ -373,8 +449,7 @@ def start(sim: Simulation) -> DistributedTransport:
                 f"rank {env[0]} of torchrun was asked to run a simulation of its own; under torchrun only "
                 "`contrafl run` (and `contrafl run --resume`) runs one simulation on all ranks"
             )
-        if not dist.is_initialized():
-            dist.init_process_group("gloo", timeout=TIMEOUT)
+        _join(*env)
         return checked(DistributedTransport(sim, env[1], dist.distributed_c10d._get_default_store()))
     world = sim.cfg.workers or 1
     transport = DistributedTransport(sim, world, rank_threads=cores_each(world))
@@ -398,7 +473,7 @@ def start(sim: Simulation) -> DistributedTransport:
             p.kill()
             p.join()
         raise
-    dist.init_process_group("gloo", store=store, rank=0, world_size=world, timeout=TIMEOUT)
+    _join(0, world, store)
     return checked(transport)
 
 
@@ -452,7 +527,7 @@ def launched_run() -> Iterator[None]:
         return
     if not dist.is_initialized():
         try:
-            dist.init_process_group("gloo", timeout=TIMEOUT)
+            _join(*env)
         except ValueError as exc:  # RANK and WORLD_SIZE set, but not by a launcher
             raise ContraflError(
                 f"RANK={env[0]} and WORLD_SIZE={env[1]} are set, but not the rest of a launcher's environment "
@@ -492,7 +567,7 @@ def _tell_the_ranks(env: tuple[int, int], what: str) -> None:
     except WorkerError:  # a rank gone already
         pass
     finally:
-        dist.destroy_process_group()
+        _leave()
 
 
 def joined_key(rank: int) -> str:
@@ -562,20 +637,20 @@ def _forked_worker(setup: Setup, port: int, rank: int, world: int) -> None:
     torch.set_num_threads(cores_each(world))
     store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=TIMEOUT)
     store.set(joined_key(rank), "1")
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=TIMEOUT)
+    _join(rank, world, store)
     try:
         serve(Simulation(setup), store)
     except Refused:  # rank 0 reports it
         pass
 
 
-def serve_launched(setup: Setup) -> None:
-    """A rank above 0 that ``torchrun`` started: join the process group, then
+def serve_launched(setup: Setup, rank: int, world: int) -> None:
+    """Rank ``rank`` (above 0) of ``world`` that ``torchrun`` started: join the process
+    group (unless ``contrafl run`` has joined it first: :func:`launched_run`), then
     :func:`serve` with a simulation of its own."""
     from .simulation import Simulation
 
-    if not dist.is_initialized():  # contrafl run has joined it first (launched_run)
-        dist.init_process_group("gloo", timeout=TIMEOUT)
+    _join(rank, world)
     serve(Simulation(setup), dist.distributed_c10d._get_default_store())
 
 
@@ -627,8 +702,7 @@ def serve(sim: Simulation, store: dist.Store) -> None:
                     raise
     finally:
         sim.store.close()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        _leave()
 
 
 def _answer(sim: Simulation, store: dist.Store, packet: dict[str, Any]) -> tuple[list[tuple[ClientOutcome, Any]], list[torch.Tensor]]:
