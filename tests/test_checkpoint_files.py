@@ -192,6 +192,10 @@ def _set(path: str, value):
         (_set("wall_time_s", float("nan")), "wall_time_s is nan"),
         (_set("config", [1]), "config is a list of 1 items"),
         (_set("fingerprint", 7), "fingerprint is 7, expected the configuration's hash"),
+        (_set("placement", [1]), "placement is a list of 1 items, expected a dict of client (0..3) -> the rank above 0"),
+        (_set("placement", {4: 1}), "placement is a dict with keys [4], expected a dict of client (0..3)"),
+        (_set("placement", {0: 0}), "placement is a dict with keys [0], expected"),
+        (_set("placement", {0: "1"}), "placement is a dict with keys [0], expected"),
     ],
 )
 def test_wrong_values_are_refused(run, change, fragment):

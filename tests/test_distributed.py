@@ -112,14 +112,16 @@ def test_a_distributed_run_equals_the_sequential_one_and_repeats_itself_bit_for_
 
 @pytest.mark.slow
 def test_killed_in_the_middle_of_a_round_resumes_to_the_same_bytes(tmp_path):
-    """Rank 0 killed (SIGKILL) after some replies of round 3: its forked workers die with
+    """Rank 0 killed (SIGKILL) after some replies of round 4: its forked workers die with
     it; `--resume` starts new ones, which hold no state, and ends byte-identical to the
-    uninterrupted run."""
-    settings = [*MOON, "executor=distributed", "workers=2"]
+    uninterrupted run: the checkpoint keeps which worker trained each client last, so
+    the resumed rounds share the clients among the ranks as the uninterrupted run did
+    (without it, round 5 differed in the last digits: other shares, other sums)."""
+    settings = [*MOON, "rounds=5", "executor=distributed", "workers=2"]
     assert main(["run", "--quiet", "--out", str(tmp_path / "clean"), *settings]) == 0
     run = tmp_path / "run"
-    _killed_run(run, "outcome", 2 * (1 + 3) + 1 + 2, settings)  # round 3, two of its three outcomes taken
-    assert json.loads((run / "summary.json").read_text())["rounds_completed"] == 2
+    _killed_run(run, "outcome", 3 * (1 + 3) + 1 + 2, settings)  # round 4, two of its three outcomes taken
+    assert json.loads((run / "summary.json").read_text())["rounds_completed"] == 3
     assert main(["run", "--quiet", "--resume", str(run)]) == 0
     assert (run / "metrics.jsonl").read_bytes() == (tmp_path / "clean" / "metrics.jsonl").read_bytes()
     assert not processes_naming(str(run))  # the killed rank 0's forked workers died with it
@@ -438,6 +440,27 @@ def test_rank_and_world_size_set_without_a_launcher_is_one_line(tmp_path, capsys
         "contrafl: error: RANK=0 and WORLD_SIZE=2 are set, but not the rest of a launcher's environment (environment "
         "variable MASTER_ADDR expected, but not set); start contrafl under torchrun, or unset RANK and WORLD_SIZE\n")
     assert not (tmp_path / "run").exists()
+
+
+def test_a_rank_that_cannot_reach_the_others_is_one_line(tmp_path, capsys, monkeypatch):
+    """A machine that cannot reach the rendezvous (a firewall, the wrong address): one
+    line once the join's timeout has passed, not torch's traceback and C++ frames; and
+    Gloo's connection errors lose their source locations."""
+    monkeypatch.setattr(distributed, "TIMEOUT", datetime.timedelta(seconds=1))
+    port = free_port()  # nobody listens there
+    for name, value in {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}.items():
+        monkeypatch.setenv(name, value)
+    assert main(["run", "--quiet", "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert re.fullmatch(
+        rf"contrafl: error: rank 1 could not join the other ranks \(The client socket has timed out after 1000ms while trying "
+        rf"to connect to \(127\.0\.0\.1, {port}\)\); every machine must reach the rendezvous address and port and each "
+        r"other: check the firewall, and set GLOO_SOCKET_IFNAME to the network interface that joins the machines where "
+        r"they have several\n", err), err
+    assert distributed._connection(RuntimeError(
+        "Gloo connectFullMesh failed with [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:152] timed out "
+        "connecting: SO_ERROR: Connection refused, remote=[127.0.0.1]:58765$1")) == (
+        "Gloo connectFullMesh failed with timed out connecting: SO_ERROR: Connection refused, remote=[127.0.0.1]:58765$1")
 
 
 def test_workers_send_their_valid_replies_as_one_mean_and_a_bad_reply_alone(tmp_path, monkeypatch):

@@ -37,7 +37,8 @@ CHECKPOINT_KEYS = (
 )
 """The entries of every checkpoint (:meth:`~contrafl.engine.simulation.Simulation.save_checkpoint`;
 the optional ``privacy`` is checked where it is restored, by ``Privacy.load_state_dict``; the
-optional ``extensions``, of a run extended to more rounds, by :func:`check_checkpoint`)."""
+optional ``extensions``, of a run extended to more rounds, and ``placement``, of the
+distributed executor's clients on its ranks, by :func:`check_checkpoint`)."""
 
 FOREIGN = "the checkpoint was not written by contrafl or was edited: start the run again in a new directory"
 """The end of every message about a checkpoint whose content is not what contrafl writes."""
@@ -164,8 +165,8 @@ def check_checkpoint(obj: Any, path: Path, cfg: Config, model: Mapping[str, torc
     row per round (a dict of JSON values with its round), a server model with exactly
     the names, shapes and dtypes of ``model``, a server-optimiser velocity of some of
     them, client states of clients ``0..cfg.num_clients - 1`` (:func:`client_files`),
-    communication totals in bytes, a wall time and the run's extensions to more rounds
-    (optional). The first violation is one :class:`CheckpointError` line naming the
+    communication totals in bytes, a wall time, the run's extensions to more rounds
+    (optional) and the ranks that keep clients' states (optional). The first violation is one :class:`CheckpointError` line naming the
     entry, its value and what was expected."""
 
     def bad(entry: str, value: Any, expected: str) -> CheckpointError:
@@ -231,6 +232,11 @@ def check_checkpoint(obj: Any, path: Path, cfg: Config, model: Mapping[str, torc
     if not (isinstance(wall, (int, float)) and not isinstance(wall, bool) and math.isfinite(wall) and wall >= 0):
         raise bad("wall_time_s", wall, "the seconds the run took, a number >= 0")
     _check_extensions(obj.get("extensions", []), obj["config"].get("rounds"), bad)
+    placement = obj.get("placement", {})
+    if not (isinstance(placement, dict) and all(
+        is_whole(cid) and 0 <= cid < cfg.num_clients and is_whole(rank) and rank >= 1 for cid, rank in placement.items()
+    )):
+        raise bad("placement", placement, f"a dict of client (0..{cfg.num_clients - 1}) -> the rank above 0 that keeps its state")
 
 
 def extended_from(obj: dict[str, Any], cfg: Config) -> int | None:

@@ -96,10 +96,10 @@ class RankLost(WorkerError):
 
 
 def _connection(exc: BaseException) -> str:
-    """How Gloo says a connection ended, without its source location and advice:
-    ``Connection closed by peer [127.0.0.1]:28587``."""
+    """How Gloo or the store says a connection ended, without source locations and
+    advice: ``Connection closed by peer [127.0.0.1]:28587``."""
     lines = str(exc).strip().splitlines() or [type(exc).__name__]
-    return re.sub(r"^\[[^\]]*\]\s*", "", lines[0]).split(". ")[0].rstrip(".")
+    return re.sub(r"\[[^\]]*\.(?:cc|cpp|h|hpp):\d+\]\s*", "", lines[0]).split(". ")[0].rstrip(".")
 
 
 def launched() -> tuple[int, int] | None:
@@ -331,7 +331,10 @@ class DistributedTransport:
         self.world = world
         self.store = store  # the process group's, where the workers count their steps
         self.workers: list[Any] = []  # the processes this one forked (none under torchrun)
-        self.holders: dict[int, int] = {}  # client -> the worker holding its newest state too
+        self.holders = sim.placement  # client -> the worker that trained it last, for the shares (a resumed run's too)
+        for cid in [c for c, rank in self.holders.items() if rank >= world]:  # a run resumed on fewer ranks
+            del self.holders[cid]
+        self.copies: dict[int, int] = {}  # client -> the worker process holding its newest state (none at the start)
         self.pending: set[int] = set()  # the workers that are not waiting for a packet: training, or not yet checked
         self.threads = torch.get_num_threads()  # this process's, outside its training and at the end
         self.rank_threads = rank_threads or self.threads  # while its share trains and the workers train theirs
@@ -380,11 +383,12 @@ class DistributedTransport:
         if work is not None and self.store is not None:  # the round's steps, the workers' counted in the store
             work.steps, work.remote = sum(planned.values()), (workers := WorkerSteps(self.store, t))
         for rank, share in enumerate(shares[1:], start=1):
-            states = {cid: sim.store.get(cid) for cid in share if self.holders.get(cid) != rank}
+            states = {cid: sim.store.get(cid) for cid in share if self.copies.get(cid) != rank}
             send({"t": t, "messages": {cid: messages[cid] for cid in share}, "states": states}, rank)
             self.pending.add(rank)
         for cid in shares[0]:  # trained here: the workers' copies grow old
             self.holders.pop(cid, None)
+            self.copies.pop(cid, None)
         yield from sim.train_locally(t, shares[0], messages.__getitem__, phases, work)
         progress = sim.progress
 
@@ -405,7 +409,7 @@ class DistributedTransport:
             for outcome, state in outcomes:
                 if state is not None:
                     sim.store.put(outcome.cid, state)
-                    self.holders[outcome.cid] = rank
+                    self.holders[outcome.cid] = self.copies[outcome.cid] = rank
                 yield dataclasses.replace(outcome, reply=restore(outcome.reply, mean)) if outcome.checked else outcome
 
     def evaluate(self, t: int, cids: list[int], message_for: Callable[[int], dict[str, Any]]) -> Iterator[tuple[int, Scores | None]]:
@@ -532,6 +536,12 @@ def launched_run() -> Iterator[None]:
             raise ContraflError(
                 f"RANK={env[0]} and WORLD_SIZE={env[1]} are set, but not the rest of a launcher's environment "
                 f"({str(exc).split('rendezvous: ')[-1]}); start contrafl under torchrun, or unset RANK and WORLD_SIZE"
+            ) from None
+        except RuntimeError as exc:  # the store, or another rank, out of reach (DistNetworkError, Gloo's connectFullMesh)
+            raise ContraflError(
+                f"rank {env[0]} could not join the other ranks ({_connection(exc)}); every machine must reach the "
+                "rendezvous address and port and each other: check the firewall, and set GLOO_SOCKET_IFNAME to the "
+                "network interface that joins the machines where they have several"
             ) from None
     try:
         yield

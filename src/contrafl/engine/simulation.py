@@ -238,6 +238,11 @@ class Simulation:
         self.extensions: list[dict[str, int]] = []
         """The run's extensions to more rounds (``--resume RUN rounds=N``), oldest first:
         ``{"from": M, "to": N, "after": rounds done then}`` (:meth:`extension`)."""
+        self.placement: dict[int, int] = {}
+        """Client -> the rank (above 0) that trained it last and keeps its state, for an
+        executor whose ranks keep clients where they trained them (the distributed
+        one). It is saved with the checkpoints, so that a resumed run shares its clients
+        among the ranks as the uninterrupted run does, and sums in the same order."""
 
     # -- services for the algorithm's client context ----------------------------------
     def initial_state(self, cid: int) -> StateDict:
@@ -341,6 +346,7 @@ class Simulation:
                 "privacy": self.privacy.state_dict() if self.privacy is not None else {},
                 "wall_time_s": self.wall_time_before + seconds,
                 **({"extensions": self.extensions} if self.extensions else {}),
+                **({"placement": self.placement} if self.placement else {}),
             },
             self.run_dir.checkpoint_path,
         )
@@ -367,6 +373,7 @@ class Simulation:
             self.privacy.load_state_dict(checkpoint.get("privacy", {}), self.history, f"checkpoint {path}")
         self.rounds_done = self.checkpointed = int(checkpoint["round"])
         self.extensions = [dict(e) for e in checkpoint.get("extensions", [])]
+        self.placement = dict(checkpoint.get("placement", {}))
         before = checkpoint["config"].get("rounds")
         if is_whole(before) and before < self.cfg.rounds:  # check_checkpoint let only the rounds grow
             self.extensions.append({"from": before, "to": self.cfg.rounds, "after": self.rounds_done})
