@@ -112,6 +112,37 @@ def test_killed_in_the_middle_of_a_round_resumes_exactly(tmp_path, algorithm):
     assert summary["status"] == "completed" and summary["rounds_completed"] == 4
 
 
+def test_one_autoresume_command_starts_continues_and_completes_a_run(tmp_path, capsys):
+    """The README's command for a job that a scheduler may requeue: `contrafl run
+    SETTINGS --out DIR --autoresume` starts the run in DIR; the
+    same command, after the run was killed in round 3, continues it to the bytes of an
+    uninterrupted run; on the completed run it does nothing; with other settings it is
+    one line naming them, and it needs --out."""
+    settings = ["algorithm=moon", *SETTINGS]
+    clean = _uninterrupted(tmp_path, settings)
+    run = tmp_path / "run"
+    command = ["--quiet", "--out", str(run), "--autoresume", *settings]
+    _killed_run(run, "round", 2 * CLIENTS + 2, command[1:])
+    assert json.loads((run / "summary.json").read_text())["rounds_completed"] == 2
+    assert main(["run", *command]) == 0
+    assert (run / "metrics.jsonl").read_bytes() == clean
+    capsys.readouterr()
+    assert main(["run", *command]) == 0
+    assert capsys.readouterr().out == f"{run} has completed all 4 rounds; nothing to resume\n"
+    assert main(["run", *command, "lr=0.5", "seed=7"]) == 2
+    assert capsys.readouterr().err == (
+        f"contrafl: error: --out {run} holds a run of other settings than this command's ({run}'s -> this command's: "
+        f"lr: 0.01 -> 0.5, seed: 0 -> 7); choose another --out, or continue that run with `contrafl run --resume {run}`\n")
+    assert main(["run", "--autoresume", *settings]) == 2
+    assert "--autoresume continues the run in --out DIR" in capsys.readouterr().err
+    assert main(["run", *command, "rounds=5", "executor=sequential"]) == 0  # extended, as --resume RUN rounds=5 would
+    assert json.loads((run / "summary.json").read_text())["rounds_completed"] == 5
+    early = tmp_path / "early"  # a run killed before it wrote a file leaves its lock alone
+    early.mkdir()
+    (early / ".lock").touch()
+    assert main(["run", "--quiet", "--out", str(early), "--autoresume", *settings, "rounds=1"]) == 0
+
+
 # Personalised algorithms in PFLlib's protocol: per-client test splits of the pooled data,
 # every client evaluated every round, Adam state kept across rounds (FedCRL's setting).
 PERSONALIZED = ["pool=true", "test_fraction=0.25", "optimizer=adam", "lr=0.003", "persist_optimizer_state=true"]

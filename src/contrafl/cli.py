@@ -62,7 +62,40 @@ def _split_run_args(args: list[str]) -> tuple[str | None, list[str]]:
 
 def cmd_run(ns: argparse.Namespace) -> int:
     with _ranks_met():
+        if ns.autoresume:
+            ns = autoresumed(ns)
         return resume_run(ns) if ns.resume else start_run(ns)
+
+
+def autoresumed(ns: argparse.Namespace) -> argparse.Namespace:
+    """``contrafl run [CONFIG] [KEY=VALUE...] --out DIR --autoresume``: ``--resume DIR``
+    where DIR holds a run of the command's settings (with the command's settings of
+    where it runs, and its rounds, which may extend the run), else the command as it
+    is (a new run in DIR), so that one command serves a job that a scheduler may
+    requeue. A run of other settings in DIR is an error that names them."""
+    from .config import EXECUTION_SETTINGS, differences, fingerprint
+    from .engine.setup import resolve
+
+    if ns.resume or not ns.out:
+        raise ContraflError("--autoresume continues the run in --out DIR, or starts it there: give --out DIR (and no --resume)")
+    out = Path(ns.out)
+    if not (out / "config.yaml").is_file():
+        return ns
+    config_path, overrides = _split_run_args(ns.args)
+    ours, theirs = resolve(load_config(config_path, overrides)), load_config(out / "config.yaml")
+
+    def results(cfg: Config) -> dict:
+        return {k: v for k, v in cfg.to_dict().items() if k not in EXECUTION_SETTINGS and k != "rounds"}
+
+    if fingerprint(results(ours)) != fingerprint(results(theirs)):
+        changed = ", ".join(differences(results(theirs), results(ours))) or "the file of the user's model"
+        raise ContraflError(
+            f"--out {out} holds a run of other settings than this command's ({out}'s -> this command's: {changed}); "
+            f"choose another --out, or continue that run with `contrafl run --resume {out}`"
+        )
+    kept = [o for o, (key, _) in zip(overrides, parse_overrides(overrides)) if key.split(".")[0] in EXECUTION_SETTINGS]
+    rounds = [f"rounds={ours.rounds}"] if ours.rounds != theirs.rounds else []
+    return argparse.Namespace(**{**vars(ns), "resume": str(out), "out": None, "args": kept + rounds})
 
 
 def _ranks_met() -> contextlib.AbstractContextManager[None]:
@@ -663,6 +696,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--quiet", action="store_true", help="print nothing; results go to the run directory")
     run.add_argument("--resume", metavar="RUN_DIR",
                      help="continue a stopped run from its last checkpoint (KEY=VALUE: only where it runs, e.g. executor, device; rounds=N extends a run to N rounds)")
+    run.add_argument("--autoresume", action="store_true",
+                     help="with --out DIR: continue the run in DIR where it holds one of these settings, else start it there "
+                          "(one command for a job that a scheduler may requeue)")
     run.set_defaults(func=cmd_run, settings_dest="args")
 
     dep = sub.add_parser(

@@ -96,7 +96,7 @@ class RunDir:
                 raise ConfigError(f"{self.path} is not a run directory (no config.yaml); give the directory of a `contrafl run`")
         elif self.path.exists() and not self.path.is_dir():
             raise ConfigError(f"run directory {self.path} is a file, not a folder; choose another --out")
-        elif self.path.exists() and any(self.path.iterdir()):
+        elif self.path.exists() and any(p.name != LOCK for p in self.path.iterdir()):  # a lock alone: a run stopped before it wrote
             raise ConfigError(
                 f"run directory {self.path} already exists and is not empty; "
                 f"continue it with `contrafl run --resume {self.path}`, or choose another --out"
