@@ -140,13 +140,20 @@ def on_the_workers(monkeypatch, t: int, act) -> None:
     monkeypatch.setattr(Simulation, "train_locally", acting)
 
 
-def test_a_worker_killed_in_round_3_ends_the_run_in_one_line_and_the_run_resumes_to_the_same_bytes(tmp_path, monkeypatch, capsys):
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> bytes:
+    """metrics.jsonl of MOON's run on 2 ranks that nothing stopped."""
+    out = tmp_path_factory.mktemp("clean") / "run"
+    assert main(["run", "--quiet", "--out", str(out), *MOON, "executor=distributed", "workers=2"]) == 0
+    return (out / "metrics.jsonl").read_bytes()
+
+
+def test_a_worker_killed_in_round_3_ends_the_run_in_one_line_and_the_run_resumes_to_the_same_bytes(tmp_path, monkeypatch, capsys, uninterrupted):
     """A forked worker killed by SIGKILL (the out-of-memory killer's signal) while it
     trains round 3: rank 0 ends at once with one line naming the rank, how its process
     ended and the resume command (exit status 1, no traceback); the resumed run ends
     byte-identical to the uninterrupted one."""
     settings = [*MOON, "executor=distributed", "workers=2"]
-    assert main(["run", "--quiet", "--out", str(tmp_path / "clean"), *settings]) == 0
     on_the_workers(monkeypatch, 2, lambda: os.kill(os.getpid(), signal.SIGKILL))
     run = tmp_path / "run"
     capsys.readouterr()
@@ -160,7 +167,7 @@ def test_a_worker_killed_in_round_3_ends_the_run_in_one_line_and_the_run_resumes
     assert summary["status"] == "failed" and summary["error"].startswith("RankLost: rank 1 is gone")
     monkeypatch.undo()
     assert main(["run", "--quiet", "--resume", str(run)]) == 0
-    assert (run / "metrics.jsonl").read_bytes() == (tmp_path / "clean" / "metrics.jsonl").read_bytes()
+    assert (run / "metrics.jsonl").read_bytes() == uninterrupted
 
 
 def test_a_rank_busy_for_longer_than_the_process_groups_timeout_is_waited_for(tmp_path, monkeypatch):
@@ -231,7 +238,7 @@ def test_a_worker_whose_rank_0_falls_silent_ends(monkeypatch, capfd):
     assert "rank 0 is gone (not heard from for" in capfd.readouterr().out
 
 
-def test_a_worker_stopped_in_round_3_stops_the_run_and_it_resumes_to_the_same_bytes(tmp_path, monkeypatch, capsys):
+def test_a_worker_stopped_in_round_3_stops_the_run_and_it_resumes_to_the_same_bytes(tmp_path, monkeypatch, capsys, uninterrupted):
     """A stop request on a worker (SIGTERM from a scheduler on that machine, recorded as
     its handler records it) is its answer to the round's packet: rank 0 stops the run
     as a stop of its own would (status interrupted, 128 + the signal, the resume
@@ -239,7 +246,6 @@ def test_a_worker_stopped_in_round_3_stops_the_run_and_it_resumes_to_the_same_by
     from contrafl.engine import signals
 
     settings = [*MOON, "executor=distributed", "workers=2"]
-    assert main(["run", "--quiet", "--out", str(tmp_path / "clean"), *settings]) == 0
     on_the_workers(monkeypatch, 2, lambda: signals._record(signal.SIGTERM, None))
     run = tmp_path / "run"
     capsys.readouterr()
@@ -248,7 +254,7 @@ def test_a_worker_stopped_in_round_3_stops_the_run_and_it_resumes_to_the_same_by
     assert json.loads((run / "summary.json").read_text())["status"] == "interrupted"
     monkeypatch.undo()
     assert main(["run", "--quiet", "--resume", str(run)]) == 0
-    assert (run / "metrics.jsonl").read_bytes() == (tmp_path / "clean" / "metrics.jsonl").read_bytes()
+    assert (run / "metrics.jsonl").read_bytes() == uninterrupted
 
 
 @pytest.mark.slow

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -20,6 +21,8 @@ import pytest
 import torch
 
 from contrafl.cli import main
+from contrafl.engine import signals
+from contrafl.engine.simulation import Simulation
 from test_orchestra import ORCHESTRA, tiny_cifar
 
 CLIENTS = 4
@@ -112,17 +115,26 @@ def test_killed_in_the_middle_of_a_round_resumes_exactly(tmp_path, algorithm):
     assert summary["status"] == "completed" and summary["rounds_completed"] == 4
 
 
-def test_one_autoresume_command_starts_continues_and_completes_a_run(tmp_path, capsys):
+def test_one_autoresume_command_starts_continues_and_completes_a_run(tmp_path, capsys, monkeypatch):
     """The README's command for a job that a scheduler may requeue: `contrafl run
-    SETTINGS --out DIR --autoresume` starts the run in DIR; the
-    same command, after the run was killed in round 3, continues it to the bytes of an
+    SETTINGS --out DIR --autoresume` starts the run in DIR; the same command, after the
+    scheduler stopped the run in round 3 (SIGTERM), continues it to the bytes of an
     uninterrupted run; on the completed run it does nothing; with other settings it is
     one line naming them, and it needs --out."""
     settings = ["algorithm=moon", *SETTINGS]
     clean = _uninterrupted(tmp_path, settings)
     run = tmp_path / "run"
     command = ["--quiet", "--out", str(run), "--autoresume", *settings]
-    _killed_run(run, "round", 2 * CLIENTS + 2, command[1:])
+    train_locally = Simulation.train_locally
+
+    def stopped(self, t, *args, **kwargs):
+        if t == 2:
+            signals._record(signal.SIGTERM, None)
+        return train_locally(self, t, *args, **kwargs)
+
+    monkeypatch.setattr(Simulation, "train_locally", stopped)
+    assert main(["run", *command]) == 128 + signal.SIGTERM
+    monkeypatch.undo()
     assert json.loads((run / "summary.json").read_text())["rounds_completed"] == 2
     assert main(["run", *command]) == 0
     assert (run / "metrics.jsonl").read_bytes() == clean
