@@ -206,8 +206,12 @@ def test_a_silent_worker_ends_the_run_in_one_line(tmp_path, monkeypatch, capsys)
 
 def _silent_rank_0(port: int, rank: int) -> None:
     """Rank ``rank`` of 2 on 127.0.0.1: rank 0 (the store's host) joins and stops itself;
-    rank 1 waits for a packet from it, and exits with 3 on :class:`RankLost`."""
+    rank 1, whose process group its program made (as one that calls contrafl's API
+    under torchrun may), waits for a packet from it, and exits with 3 on
+    :class:`RankLost`."""
     store = torch.distributed.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, timeout=distributed.TIMEOUT)
+    if rank == 1:
+        torch.distributed.init_process_group("gloo", store=store, rank=1, world_size=2)
     distributed._join(rank, 2, store)
     if rank == 0:
         time.sleep(0.5)

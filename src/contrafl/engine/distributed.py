@@ -193,16 +193,16 @@ _pulse: Pulse | None = None  # this process's, while it is in the process group 
 
 def _join(rank: int, world: int, store: dist.Store | None = None) -> None:
     """Join the process group as rank ``rank`` of ``world``, over ``store`` (by default
-    the launcher's, from the environment), unless joined already, and start this rank's
-    :class:`Pulse`: rank 0 listens to every worker, a worker to rank 0."""
+    the launcher's, from the environment), unless joined already (by contrafl, or by the
+    program that calls it), and start this rank's :class:`Pulse` unless it beats
+    already: rank 0 listens to every worker, a worker to rank 0."""
     global _pulse
-    if dist.is_initialized():
-        return
-    if store is None:
+    if not dist.is_initialized() and store is None:
         dist.init_process_group("gloo", timeout=TIMEOUT)
-    else:
+    elif not dist.is_initialized():
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=TIMEOUT)
-    _pulse = Pulse(dist.distributed_c10d._get_default_store(), rank, range(1, world) if rank == 0 else [0])
+    if _pulse is None:
+        _pulse = Pulse(dist.distributed_c10d._get_default_store(), rank, range(1, world) if rank == 0 else [0])
 
 
 def _leave() -> None:
