@@ -198,7 +198,8 @@ def resume_run(ns: argparse.Namespace) -> int:
         )
     extending = before is not None and cfg.rounds > before
     if (summary.get("status") == "completed" and summary.get("rounds", cfg.rounds) >= cfg.rounds) or summary.get("checkpointed_rounds", 0) >= cfg.rounds:
-        print(f"{run_dir.path} has completed all {count(cfg.rounds, 'round')}; nothing to resume")
+        if launched is None or launched[0] == 0:  # under torchrun, rank 0 speaks for the run
+            print(f"{run_dir.path} has completed all {count(cfg.rounds, 'round')}; nothing to resume")
         return 0
     if not run_dir.checkpoint_path.is_file() and "fingerprint" not in summary and (run_dir.path / "metrics.jsonl").is_file():
         raise ContraflError(
