@@ -95,7 +95,7 @@ def test_a_distributed_run_equals_the_sequential_one_and_repeats_itself_bit_for_
         finally:
             distributed.start = start
         if started:
-            assert started[0].world == 3 and started[0].holders  # states left rank 0
+            assert started[0].world == 3 and started[0].copies  # states left rank 0
             assert not any(p.is_alive() for p in started[0].workers)
         runs[name] = sim
     seq, ranks = metrics(tmp_path / "sequential"), metrics(tmp_path / "ranks")

@@ -197,10 +197,11 @@ def _join(rank: int, world: int, store: dist.Store | None = None) -> None:
     program that calls it), and start this rank's :class:`Pulse` unless it beats
     already: rank 0 listens to every worker, a worker to rank 0."""
     global _pulse
-    if not dist.is_initialized() and store is None:
-        dist.init_process_group("gloo", timeout=TIMEOUT)
-    elif not dist.is_initialized():
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=TIMEOUT)
+    if not dist.is_initialized():
+        if store is None:
+            dist.init_process_group("gloo", timeout=TIMEOUT)
+        else:
+            dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=TIMEOUT)
     if _pulse is None:
         _pulse = Pulse(dist.distributed_c10d._get_default_store(), rank, range(1, world) if rank == 0 else [0])
 
@@ -331,9 +332,8 @@ class DistributedTransport:
         self.world = world
         self.store = store  # the process group's, where the workers count their steps
         self.workers: list[Any] = []  # the processes this one forked (none under torchrun)
-        self.holders = sim.placement  # client -> the worker that trained it last, for the shares (a resumed run's too)
-        for cid in [c for c, rank in self.holders.items() if rank >= world]:  # a run resumed on fewer ranks
-            del self.holders[cid]
+        for cid in [c for c, rank in sim.placement.items() if rank >= world]:  # a run resumed on fewer ranks
+            del sim.placement[cid]
         self.copies: dict[int, int] = {}  # client -> the worker process holding its newest state (none at the start)
         self.pending: set[int] = set()  # the workers that are not waiting for a packet: training, or not yet checked
         self.threads = torch.get_num_threads()  # this process's, outside its training and at the end
@@ -378,7 +378,7 @@ class DistributedTransport:
         work = sim.round_work
         messages = {cid: message_for(cid) for cid in cids}
         planned = {cid: sim.planned_steps(cid, phases) for cid in cids}
-        shares = assign(planned, self.holders, self.world)
+        shares = assign(planned, sim.placement, self.world)
         workers = None
         if work is not None and self.store is not None:  # the round's steps, the workers' counted in the store
             work.steps, work.remote = sum(planned.values()), (workers := WorkerSteps(self.store, t))
@@ -387,7 +387,7 @@ class DistributedTransport:
             send({"t": t, "messages": {cid: messages[cid] for cid in share}, "states": states}, rank)
             self.pending.add(rank)
         for cid in shares[0]:  # trained here: the workers' copies grow old
-            self.holders.pop(cid, None)
+            sim.placement.pop(cid, None)
             self.copies.pop(cid, None)
         yield from sim.train_locally(t, shares[0], messages.__getitem__, phases, work)
         progress = sim.progress
@@ -409,7 +409,7 @@ class DistributedTransport:
             for outcome, state in outcomes:
                 if state is not None:
                     sim.store.put(outcome.cid, state)
-                    self.holders[outcome.cid] = self.copies[outcome.cid] = rank
+                    sim.placement[outcome.cid] = self.copies[outcome.cid] = rank
                 yield dataclasses.replace(outcome, reply=restore(outcome.reply, mean)) if outcome.checked else outcome
 
     def evaluate(self, t: int, cids: list[int], message_for: Callable[[int], dict[str, Any]]) -> Iterator[tuple[int, Scores | None]]:
