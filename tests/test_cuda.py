@@ -46,6 +46,17 @@ def cifar(tmp_path):
     return [f"data_dir={tmp_path}", "dataset=cifar10", "allow_subset=true", "batch_size=8"]
 
 
+@pytest.fixture(autouse=True)
+def graphs_untried():
+    """Each test starts as a new process would: a capture that failed in an earlier test
+    (which switches CUDA graphs off for the rest of the process) fails only that test."""
+    from contrafl.engine.cuda_graphs import StepGraphs
+
+    StepGraphs.failed = None
+    yield
+    StepGraphs.failed = None
+
+
 @pytest.fixture
 def no_tf32():
     before = torch.backends.cudnn.allow_tf32
@@ -85,6 +96,9 @@ GRAPHED = {
     # SimCLR's augmentation in the graph (ColorJitter's masked form on a GPU), noise drawn on
     # the CPU each step, the target's EMA as a post-step
     "fedu2": ["algorithm=fedu2", "augment=simclr", "algorithm.uniformity=tangent_sw"],
+    # the paper's FUR (the default): an interior-point UOT solve in float64 each step, whose
+    # linear solves must be capturable (torch.cholesky_solve, MAGMA's on a GPU, was not)
+    "fedu2-uot": ["algorithm=fedu2", "augment=simclr"],
 }
 
 

@@ -76,8 +76,10 @@ class _NewtonSystem:
         dpi = W o (h - u_r 1^T - 1 u_c^T),
         [[diag(W 1) + 1/tau_a, W], [W^T, diag(W^T 1) + 1/tau_b]] [u_r; u_c] = [(W o h) 1; (W o h)^T 1]
 
-    solved through the Cholesky factor of the ``m x m`` Schur complement of the first block
-    (factored once, ``failed`` where Cholesky failed)."""
+    solved through the Cholesky factor ``L`` of the ``m x m`` Schur complement of the first block
+    (factored once, ``failed`` where Cholesky failed) by two triangular solves. Not
+    ``torch.cholesky_solve``: on a GPU its batched form is MAGMA's, which cannot be captured
+    in a CUDA graph (it allocates), and a step that solves a UOT plan would run eagerly."""
 
     def __init__(self, W: torch.Tensor, tau_a: float, tau_b: float) -> None:
         self.W = W
@@ -91,7 +93,9 @@ class _NewtonSystem:
         W, row = self.W, self.row
         v = W * h
         v_r, v_c = v.sum(-1, keepdim=True), v.sum(-2, keepdim=True)
-        u_c = torch.cholesky_solve(v_c.mT - W.mT @ (v_r / row), self.factor).mT                # [..., 1, m]
+        rhs = v_c.mT - W.mT @ (v_r / row)                                                     # [..., m, 1]
+        half = torch.linalg.solve_triangular(self.factor, rhs, upper=False)                    # L y = rhs
+        u_c = torch.linalg.solve_triangular(self.factor.mT, half, upper=True).mT               # L^T u_c = y
         u_r = (v_r - W @ u_c.mT) / row                                                         # [..., n, 1]
         return W * (h - u_r - u_c)
 
