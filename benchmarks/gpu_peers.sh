@@ -3,8 +3,10 @@
 # equal work (checked: benchmarks/peers/pfl_research.py), both shapes, one seed. pfl
 # in one process and with 2 and 4 processes sharing the GPU (its docs' advice for small
 # models); contrafl's vectorized executor with CUDA graphs (executor=auto on a GPU) and
-# its persistent workers (executor=distributed, 4 ranks sharing the GPU). The device
-# shape first; each step capped in time (at most 9.5 minutes in all) and logged, the tables
+# its persistent workers (executor=distributed, 2 and 4 ranks sharing the GPU, each stacking
+# its share of the clients: rank_executor=auto), each shape after
+# a profile of contrafl's round (round_profile.py: where the round's time goes). The device
+# shape first; each step capped in time (at most 11 minutes in all) and logged, the tables
 # at the end of each log.
 #
 #   bash benchmarks/gpu_peers.sh CIFAR_DIR LOG_DIR [SHAPE ...]   # SHAPE: device, silo (default: both)
@@ -18,9 +20,10 @@ here=$(cd "$(dirname "$0")" && pwd)
 STEP_TAIL=30  # the tables at the end of each log
 . "$here/_steps.sh"
 python3 -c "import importlib.metadata as m; print('pfl', m.version('pfl'))" || { echo "pfl is not installed: see benchmarks/peers/device_wheels.sh"; exit 2; }
-contrafl=("device=cuda" "device=cuda executor=distributed workers=4")
+contrafl=("device=cuda" "device=cuda executor=distributed workers=2" "device=cuda executor=distributed workers=4")  # ranks stack their shares (rank_executor=auto)
 for shape in "${shapes[@]}"; do
     case $shape in device|silo) ;; *) echo "unknown shape $shape: expected device or silo"; exit 2;; esac
+    step "round_profile_$shape" 90 python3 "$here/round_profile.py" --data-dir "$data" --shape $shape --device cuda
     step "pfl_$shape" $([ $shape = device ] && echo 400 || echo 160) python3 "$here/peers/pfl_research.py" \
         --data-dir "$data" --shape $shape --seeds 1 --configs single torchrun --processes 2 4 \
         --contrafl "${contrafl[@]}" --work "/tmp/contrafl-peers/gpu-$shape" --json "$logs/pfl_$shape.json"

@@ -110,6 +110,48 @@ def test_a_distributed_run_equals_the_sequential_one_and_repeats_itself_bit_for_
         torch.testing.assert_close(runs["ranks"].store.get(cid), runs["sequential"].store.get(cid), rtol=1e-4, atol=1e-5)
 
 
+def test_ranks_that_stack_their_share_equal_the_vectorized_run(tmp_path, monkeypatch):
+    """``rank_executor=vectorized``: each rank trains its share of the round as one stack
+    (as one process would on a GPU, where ``auto`` chooses it); the run equals the
+    vectorized executor's in one process to float tolerance, and rank 0 trained its
+    share stacked."""
+    from contrafl.engine.vectorized import VectorizedExecutor
+
+    stacked = []
+    train = VectorizedExecutor.train
+    monkeypatch.setattr(VectorizedExecutor, "train", lambda ex, jobs, *a, **k: stacked.append(len(jobs)) or train(ex, jobs, *a, **k))
+    runs = {}
+    for name, executor in [("one", ["executor=vectorized"]), ("ranks", ["executor=distributed", "workers=2", "rank_executor=vectorized"])]:
+        sim = Simulation(prepare(load_config(None, [*MOON, *executor])), RunDir(tmp_path / name))
+        assert sim.run()["status"] == "completed"
+        runs[name] = sim
+    assert runs["ranks"].cfg.rank_executor == "vectorized" and runs["ranks"].local_executor == "vectorized"
+    assert len(stacked) == 2 * 4 and max(stacked[4:]) < 3  # one stack of 3 clients a round, then rank 0's shares
+    for a, b in zip(metrics(tmp_path / "one"), metrics(tmp_path / "ranks")):
+        assert a["clients"] == b["clients"] and a["local_steps"] == b["local_steps"]
+        assert b["train_loss"] == pytest.approx(a["train_loss"], rel=1e-5)
+    for k, v in runs["one"].server.model.items():
+        torch.testing.assert_close(runs["ranks"].server.model[k], v, rtol=1e-4, atol=1e-5)
+
+
+def test_rank_executor_is_chosen_by_device_and_algorithm():
+    """``rank_executor=auto``: stacked on a GPU, one client after the other on a CPU; a
+    stack for an algorithm that cannot be vectorised is one line."""
+    from contrafl.engine.setup import choose_rank_executor
+
+    cfg = load_config(None, ["executor=distributed"])
+    fedavg = ALGORITHMS.get("fedavg")
+    unstackable = type("Unstackable", (fedavg,), {"vectorizable": False, "name": "unstackable"})
+    assert choose_rank_executor(cfg, "distributed", fedavg, torch.device("cuda")) == "vectorized"
+    assert choose_rank_executor(cfg, "distributed", fedavg, torch.device("cpu")) == "sequential"
+    assert choose_rank_executor(cfg, "distributed", unstackable, torch.device("cuda")) == "sequential"
+    assert choose_rank_executor(cfg, "vectorized", fedavg, torch.device("cuda")) == "auto"  # not read
+    wanted = load_config(None, ["executor=distributed", "rank_executor=vectorized"])
+    assert choose_rank_executor(wanted, "distributed", fedavg, torch.device("cpu")) == "vectorized"
+    with pytest.raises(ConfigError, match="rank_executor=vectorized is not possible: algorithm unstackable cannot be vectorized"):
+        choose_rank_executor(wanted, "distributed", unstackable, torch.device("cpu"))
+
+
 @pytest.mark.slow
 def test_killed_in_the_middle_of_a_round_resumes_to_the_same_bytes(tmp_path):
     """Rank 0 killed (SIGKILL) after some replies of round 4: its forked workers die with

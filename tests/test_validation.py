@@ -43,11 +43,11 @@ def test_check_reply_names_what_is_wrong():
 
 
 def test_finite_values_whose_sum_overflows_pass():
-    """The fused finiteness test sums absolute values; finite tensors whose sum overflows
-    their dtype (float16 past 65504, float32 past 3.4e38) are cleared by the exact scan,
+    """The fused finiteness test sums squares; finite tensors whose sum overflows their
+    dtype (float16 past 65504, float32 past 3.4e38) are cleared by the exact scan,
     and the first non-finite tensor in payload order is the one named."""
     spec = {"a": TensorSpec((4,), torch.float16), "b": TensorSpec((2,), torch.float32), "c": TensorSpec((2,), torch.float32)}
-    huge = {"a": torch.full((4,), 60000.0, dtype=torch.float16), "b": torch.full((2,), 3e38), "c": torch.zeros(2)}
+    huge = {"a": torch.full((4,), 60000.0, dtype=torch.float16), "b": torch.full((2,), 3e38), "c": torch.full((2,), 1e20)}
     assert check_reply(Reply(0, 1, huge), spec) is None
     bad = {**huge, "c": torch.tensor([float("-inf"), 0.0])}
     assert check_reply(Reply(0, 1, bad), spec) == "'c' has non-finite values (0 NaN, 1 infinite)"

@@ -153,6 +153,10 @@ class Config:
         None, P.Interval(1, None),
         "processes of the parallel executor, or ranks of the distributed one, the server's included (auto: the CPU cores; for the distributed executor at most the clients of a round)",
     )
+    rank_executor: str = P.param(
+        "auto", P.OneOf(("auto", "sequential", "vectorized")),
+        "executor=distributed: how each rank trains its share of a round's clients, one after the other (sequential) or stacked (vectorized; CUDA graphs on a GPU); auto: vectorized on a GPU where the algorithm allows, else sequential",
+    )
     device: str = P.param("auto", P.OneOf(("auto", "cpu", "cuda")), "where training runs")
     precision: str = P.param(
         "fp32", P.OneOf(("fp32", "bf16", "auto")),
@@ -196,6 +200,7 @@ EXECUTION_SETTINGS = (
     "download",
     "executor",
     "workers",
+    "rank_executor",
     "device",
     "eval_batch_size",
     "client_memory_gb",

@@ -22,11 +22,12 @@ replies). Each round rank 0
 
 Rank 0 keeps every client's newest state (its store is the one the checkpoints save),
 so a client can train on any rank, its state moving exactly, and a resumed run starts
-its workers empty. A worker trains its clients with the sequential executor, one
-after the other, exactly as :meth:`~contrafl.engine.simulation.Simulation.train_locally`
-trains them in one process: for a given world size the run is reproducible bit for
-bit, and equal to the other executors to float tolerance (the ranks' thread counts and
-the order in which the replies arrive differ).
+its workers empty. A rank trains its share with the executor of ``rank_executor`` (the
+sequential one on a CPU, the vectorized one on a GPU), exactly as
+:meth:`~contrafl.engine.simulation.Simulation.train_locally` trains clients in one
+process: for a given world size the run is reproducible bit for bit, and equal to the
+other executors to float tolerance (the ranks' thread counts and the order in which the
+replies arrive differ).
 
 Starting: ``contrafl run executor=distributed workers=W`` forks the ``W - 1`` workers
 itself (on Linux; elsewhere, and on GPUs, it spawns them, and they load the data anew)

@@ -241,11 +241,12 @@ def _estimate(cal: Calibration, shortest: float, say: Callable[[str], object] | 
     if say is not None and slow:
         more = "one step on each worker, then " if parallel else ""
         say(f"estimating the run's time: a local step takes about {first:.0f}s here; timing {more}an evaluation batch")
+    ranks = sim.cfg.workers if sim.executor_name == "distributed" else 1
     if isinstance(cal.executor, VectorizedExecutor):
-        train_seconds, measured = _vectorized(cal, cal.executor, per_round)
+        train_seconds, measured = _vectorized(cal, cal.executor, per_round, ranks)
     elif parallel:
         train_seconds, measured = _parallel(cal, cal.executor, per_round, slow)
-    elif sim.executor_name == "distributed" and sim.cfg.workers > 1:
+    elif ranks > 1:
         train_seconds, measured = _distributed(cal, sim.cfg.workers, per_round)
     else:
         step, measured = cal.client_step()
@@ -289,10 +290,12 @@ def _busiest(per_round: list[list[int]], workers: int) -> list[int]:
     return [max(sum(steps[i] for i in share) for share in balance(steps, min(workers, len(steps)))) for steps in per_round if steps]
 
 
-def _vectorized(cal: Calibration, executor: VectorizedExecutor, per_round: list[list[int]]) -> tuple[float, int]:
+def _vectorized(cal: Calibration, executor: VectorizedExecutor, per_round: list[list[int]], ranks: int = 1) -> tuple[float, int]:
     """Training seconds of the rounds with client steps ``per_round`` and the steps
     measured. A step of ``a`` clients costs ``one + slope * (a - 1)``, from a chunk of
-    the round's clients and from one client, each trained ``budget`` steps."""
+    the round's clients and from one client, each trained ``budget`` steps. On ``ranks``
+    ranks of the distributed executor (``rank_executor=vectorized``) each rank stacks
+    its share of the round's clients, and a round takes its slowest rank's time."""
     first = cal.job(cal.cids[0], cal.budget)
     chunk = executor.chunk_size(first)
     jobs = [first] + [cal.job(c, cal.budget) for c in cal.cids[1:chunk]]
@@ -300,11 +303,19 @@ def _vectorized(cal: Calibration, executor: VectorizedExecutor, per_round: list[
     many = cal.train_seconds(executor.train, jobs) / max(lengths)
     one = cal.train_seconds(executor.train, [first]) / lengths[0]
     slope = (many - one) / (len(jobs) - 1) if len(jobs) > 1 else 0.0
-    seconds = 0.0
-    for steps in per_round:
+
+    def stacked(steps: list[int]) -> float:
+        seconds = 0.0
         for i in range(0, len(steps), chunk):  # the executor's chunks, in client order
             part = steps[i : i + chunk]  # clients still training at a step: sum(part) steps over max(part) steps
             seconds += max(part) * (one - slope) + slope * sum(part)
+        return seconds
+
+    seconds = 0.0
+    for steps in per_round:
+        if steps:
+            shares = balance(steps, min(ranks, len(steps)))
+            seconds += max(stacked([steps[i] for i in share]) for share in shares)
     return seconds, REPEATS * (sum(lengths) + lengths[0]) + len(jobs) + 1
 
 

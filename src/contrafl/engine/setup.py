@@ -229,7 +229,25 @@ def resolve(cfg: Config) -> Config:
         workers = launched()[1]
     else:
         workers = cfg.workers or default_workers(cfg, executor)
-    return dataclasses.replace(cfg, executor=executor, workers=workers)
+    return dataclasses.replace(cfg, executor=executor, workers=workers, rank_executor=choose_rank_executor(cfg, executor, algo_cls, device))
+
+
+def choose_rank_executor(cfg: Config, executor: str, algo_cls: type[Algorithm], device: torch.device) -> str:
+    """How each rank of the distributed executor trains its share of a round's clients
+    (``rank_executor``; the setting as given for the other executors, which do not read
+    it). ``auto``: stacked (the vectorized executor) on a GPU where the algorithm allows,
+    as ``executor=auto`` trains them in one process there; one after the other on a CPU
+    (:func:`choose_executor`)."""
+    if executor != "distributed":
+        return cfg.rank_executor
+    if cfg.rank_executor == "vectorized" and not algo_cls.vectorizable:
+        raise ConfigError(
+            f"rank_executor=vectorized is not possible: algorithm {algo_cls.name} cannot be vectorized; "
+            "use rank_executor=sequential or auto"
+        )
+    if cfg.rank_executor != "auto":
+        return cfg.rank_executor
+    return "vectorized" if device.type == "cuda" and algo_cls.vectorizable else "sequential"
 
 
 def check_own_data(cfg: Config, spec: DatasetSpec, options: Any) -> None:
@@ -368,18 +386,20 @@ def choose_executor(cfg: Config, algo_cls: type[Algorithm], device: torch.device
 
 def check_vectorizable(requested: Config, cfg: Config, model: FedModel, shape: tuple[int, ...]) -> tuple[Config, list[str]]:
     """``cfg`` with the sequential executor, and a note saying why, when the vectorized
-    executor that ``executor=auto`` chose cannot train a model of the user's code or of a
-    plugin (:func:`~contrafl.models.custom.vectorizable`); a :class:`ConfigError` when
-    the user asked for ``executor=vectorized``. Built-in models are known to vectorise."""
-    if cfg.executor != "vectorized" or not from_user(cfg.model.name):
+    executor that ``executor=auto`` chose (or ``rank_executor=auto``, for the ranks of the
+    distributed one) cannot train a model of the user's code or of a plugin
+    (:func:`~contrafl.models.custom.vectorizable`); a :class:`ConfigError` when the user
+    asked for it. Built-in models are known to vectorise."""
+    setting = "rank_executor" if cfg.executor == "distributed" else "executor"
+    if getattr(cfg, setting) != "vectorized" or not from_user(cfg.model.name):
         return cfg, []
     why = vectorizable(model, shape)
     if why is None:
         return cfg, []
-    if requested.executor == "vectorized":
-        raise ConfigError(f"executor=vectorized cannot train model {cfg.model.name}: torch.func fails on it ({why}); use executor=sequential")
-    note = f"executor=auto: torch.func cannot vectorise model {cfg.model.name} ({why}); training clients one at a time (executor=sequential)"
-    return dataclasses.replace(cfg, executor="sequential"), [note]
+    if getattr(requested, setting) == "vectorized":
+        raise ConfigError(f"{setting}=vectorized cannot train model {cfg.model.name}: torch.func fails on it ({why}); use {setting}=sequential")
+    note = f"{setting}=auto: torch.func cannot vectorise model {cfg.model.name} ({why}); training clients one at a time ({setting}=sequential)"
+    return dataclasses.replace(cfg, **{setting: "sequential"}), [note]
 
 
 def prepare(cfg: Config, partition: Partition | None = None) -> Setup:

@@ -211,6 +211,9 @@ class Simulation:
             spill = Path(tempfile.gettempdir()) / f"contrafl-{os.getpid()}-{id(self)}"
             self.store = ClientStore(cfg.client_memory_gb * 2**30, spill, self.device)
         self.executor_name = cfg.executor if cfg.executor != "auto" else choose_executor(cfg, type(self.algorithm), self.device)
+        self.local_executor = self.executor_name if self.executor_name != "distributed" else cfg.rank_executor
+        """The executor that trains this process's clients: the run's, or for the distributed
+        executor the one each rank trains its share with (``rank_executor``)."""
         self.round_work: RoundWork | None = None
         """The current round's progress (:meth:`run_round`), in which a transport that sees
         its clients' local steps counts them."""
@@ -406,7 +409,7 @@ class Simulation:
             batch = phase.batch_size or cfg.batch_size
             samplers = [view_transform(self.setup.train_transform, v).sample for v in range(self.algorithm.views)]
             plan = make_plan(self.rows[cid], epochs, batch, cfg.drop_last, samplers, self.algorithm.views, g)
-            plans.append(plan if self.executor_name == "vectorized" else plan.to(self.device))
+            plans.append(plan if self.local_executor == "vectorized" else plan.to(self.device))
         return plans
 
     def planned_steps(self, cid: int, phases: list[Phase]) -> int:
@@ -436,7 +439,7 @@ class Simulation:
         float32's memory) and the run's pipeline."""
         x, transform = self.train.x, self.setup.train_transform
         deterministic = isinstance(transform, Transform) and not any(op.keys for op in transform.ops)
-        steps = self.executor_name != "vectorized"  # whose vmap takes its [K, B] batches as they come (NCHW)
+        steps = self.local_executor != "vectorized"  # whose vmap takes its [K, B] batches as they come (NCHW)
         if not (deterministic and steps and self.algorithm.views == 1 and self.device.type == "cpu" and len(x)):
             return x, transform
         head = self.net.layout(transform(x[:2]))  # two samples: the layout's strides, which do not depend on the count
@@ -459,7 +462,7 @@ class Simulation:
             autocast=self.autocast,
             keep_opt_state=self.cfg.persist_optimizer_state,
         )
-        return make_executor(self.executor_name, workload, self.cfg, self.step_arenas)
+        return make_executor(self.local_executor, workload, self.cfg, self.step_arenas)
 
     def client_job(self, cid: int, t: int, message: dict[str, Any], phases: list[Phase]) -> tuple[Job, Context, dict[str, Any]]:
         """Client ``cid``'s local training in round ``t`` of ``phases`` on ``message``:

@@ -36,14 +36,16 @@ def check_reply(reply: Reply, spec: Mapping[str, Any]) -> str | None:
 
 def non_finite(tensors: Sequence[tuple[str, torch.Tensor]]) -> str | None:
     """Why one of the named floating-point ``tensors`` has NaN or infinite values (the
-    first in order), or None. One fused pass first: a tensor's L1 norm is finite when
-    all its values are (a sum of finite absolute values overflows only past its dtype's
-    largest value, and then the exact scan below clears the tensor), so the scan runs
-    only when a norm is not."""
+    first in order), or None. One fused pass first: a tensor's L2 norm is finite when
+    all its values are (a sum of finite squares overflows only past its dtype's largest
+    value, and then the exact scan below clears the tensor), so the scan runs only when
+    a norm is not. L2, not L1: PyTorch's CPU kernel of the L2 norm is vectorised, the
+    L1's is not (0.08 against 0.53 ms for MOON's CNN, 151,278 values: 50 replies a round
+    of pfl's device shape)."""
     if not tensors:
         return None
     values = [t for _, t in tensors]
-    norms = [n.float().to(values[0].device) for n in torch._foreach_norm(values, 1)]
+    norms = [n.float().to(values[0].device) for n in torch._foreach_norm(values, 2)]
     if bool(torch.stack(norms).isfinite().all()):
         return None
     for where, value in tensors:
