@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import simulate
 from test_datasets import write_cifar10
-from test_executors import _RecordedGraph
+from test_executors import _RecordedGraph, _record_graphs
 
 UNCAPTURABLE = {
     "_local_scalar_dense": "a host sync (.item(), bool() or int() of a tensor)",
@@ -76,7 +76,7 @@ def cifar(tmp_path_factory):
 @pytest.mark.parametrize("case", list(ALGORITHMS))
 def test_every_step_can_be_captured_as_a_cuda_graph(case, cifar, monkeypatch):
     from contrafl.data import augment
-    from contrafl.engine import cuda_graphs, vectorized
+    from contrafl.engine import cuda_graphs
 
     seen = _Operations()
 
@@ -85,13 +85,7 @@ def test_every_step_can_be_captured_as_a_cuda_graph(case, cifar, monkeypatch):
             with seen:
                 self.step()
 
-    made = []
-
-    def stand_in(device, wanted):
-        made.append(cuda_graphs.StepGraphs(True, new_graph=Audited))
-        return made[-1]
-
-    monkeypatch.setattr(vectorized.StepGraphs, "for_device", staticmethod(stand_in))
+    made = _record_graphs(monkeypatch, Audited)
     monkeypatch.setattr(cuda_graphs, "MIN_REPLAYS", 1)  # capture every shape at its second step
     # the GPU's colour jitter (masked); the CPU's jitters only the images drawn for it (nonzero)
     monkeypatch.setattr(augment, "_jitter_selected", augment._jitter_masked)

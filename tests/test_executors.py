@@ -494,16 +494,17 @@ class _RecordedGraph:
         self.step()
 
 
-def _record_graphs(monkeypatch) -> list:
+def _record_graphs(monkeypatch, graph: type | None = None) -> list:
     """From now on the vectorized executor's StepGraphs capture stand-in graphs
-    (:class:`_RecordedGraph`), on any device; the list of those made, in order."""
+    (``graph``, by default :class:`_RecordedGraph`), on any device; the list of those
+    made, in order."""
     from contrafl.engine import vectorized
     from contrafl.engine.cuda_graphs import StepGraphs
 
     made = []
 
     def stand_in(device, wanted):
-        made.append(StepGraphs(True, new_graph=_RecordedGraph))
+        made.append(StepGraphs(True, new_graph=graph or _RecordedGraph))
         return made[-1]
 
     monkeypatch.setattr(vectorized.StepGraphs, "for_device", staticmethod(stand_in))

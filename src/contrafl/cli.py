@@ -87,8 +87,9 @@ def autoresumed(ns: argparse.Namespace) -> argparse.Namespace:
     def results(cfg: Config) -> dict:
         return {k: v for k, v in cfg.to_dict().items() if k not in EXECUTION_SETTINGS and k != "rounds"}
 
-    if fingerprint(results(ours)) != fingerprint(results(theirs)):
-        changed = ", ".join(differences(results(theirs), results(ours))) or "the file of the user's model"
+    mine, found = results(ours), results(theirs)
+    if fingerprint(mine) != fingerprint(found):
+        changed = ", ".join(differences(found, mine)) or "the file of the user's model"
         raise ContraflError(
             f"--out {out} holds a run of other settings than this command's ({out}'s -> this command's: {changed}); "
             f"choose another --out, or continue that run with `contrafl run --resume {out}`"

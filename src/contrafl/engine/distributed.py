@@ -333,8 +333,7 @@ class DistributedTransport:
         self.world = world
         self.store = store  # the process group's, where the workers count their steps
         self.workers: list[Any] = []  # the processes this one forked (none under torchrun)
-        for cid in [c for c, rank in sim.placement.items() if rank >= world]:  # a run resumed on fewer ranks
-            del sim.placement[cid]
+        sim.placement = {c: rank for c, rank in sim.placement.items() if rank < world}  # a run resumed on fewer ranks
         self.copies: dict[int, int] = {}  # client -> the worker process holding its newest state (none at the start)
         self.pending: set[int] = set()  # the workers that are not waiting for a packet: training, or not yet checked
         self.threads = torch.get_num_threads()  # this process's, outside its training and at the end

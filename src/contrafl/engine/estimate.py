@@ -247,7 +247,7 @@ def _estimate(cal: Calibration, shortest: float, say: Callable[[str], object] | 
     elif parallel:
         train_seconds, measured = _parallel(cal, cal.executor, per_round, slow)
     elif ranks > 1:
-        train_seconds, measured = _distributed(cal, sim.cfg.workers, per_round)
+        train_seconds, measured = _distributed(cal, ranks, per_round)
     else:
         step, measured = cal.client_step()
         train_seconds = step * sum(map(sum, per_round))
