@@ -643,6 +643,7 @@ def test_arenas_replay_an_earlier_rounds_graphs(monkeypatch):
 
     eager = [VectorizedExecutor(workload, 2**30).train(jobs(r)) for r in range(3)]
     made = _record_graphs(monkeypatch)
+    probes = _count_calls(monkeypatch, "used_parameters")
     replays = []
     for r in range(3):
         _assert_same_results(eager[r], VectorizedExecutor(workload, 2**30, arenas=arenas).train(jobs(r)))
@@ -650,11 +651,55 @@ def test_arenas_replay_an_earlier_rounds_graphs(monkeypatch):
     (arena,) = arenas.arenas.values()
     assert arena.graphs is made[0] and set(made[0].graphs) == {(3, 16), (2, 16), (1, 16)}
     assert replays == [0, 4, 8]  # (3, 16) twice, (2, 16) and (1, 16) once a round: all replayed from round 2
+    assert probes == [1]  # which parameters get gradients: probed when the arena was made
     for h, k in zip(history, kept):
         assert all(torch.equal(h[name], k[name]) for name in h)
     other = Workload.single(x, y, tf, workload.net, [Stage(with_history)], SGD(0.05, 0.9))  # another learning rate
     VectorizedExecutor(other, 2**30, arenas=arenas).train(jobs(0))
-    assert len(arenas.arenas) == 2
+    assert len(arenas.arenas) == 2 and probes == [2]
+
+
+def _count_calls(monkeypatch, name: str) -> list[int]:
+    """From now on, the calls of the vectorized module's function ``name``, counted in
+    the one-element list returned."""
+    from contrafl.engine import vectorized
+
+    calls, fn = [0], getattr(vectorized, name)
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return fn(*args, **kwargs)
+
+    monkeypatch.setattr(vectorized, name, counted)
+    return calls
+
+
+def test_kept_arenas_probe_a_chunks_memory_once(monkeypatch):
+    """With a run's arenas kept from round to round (on a GPU), the memory probe that
+    sizes the chunks (an eager step of one client) runs once for each computation, not
+    every round, and sizes them as it did; another computation (another learning rate)
+    is probed anew. The probe of which parameters get gradients leaves the global
+    random stream as it found it, so training draws the same numbers with or without it."""
+    from contrafl.engine.executor import used_parameters
+    from contrafl.engine.vectorized import StepArenas
+
+    model = _model()
+    params, buffers = _split(model)
+    x, y, tf, _ = _data()
+    workload = Workload.single(x, y, tf, FunctionalNet(model), [Stage(supervised)], SGD(0.1, 0.9))
+    other = Workload.single(x, y, tf, workload.net, [Stage(supervised)], SGD(0.05, 0.9))
+    job = _jobs(params, buffers)[3][0]
+    memory = 2.5 * VectorizedExecutor(workload, 2**30).client_bytes(job)
+    monkeypatch.setattr(VectorizedExecutor, "_keeps_arenas", property(lambda self: self.arenas is not None))
+    probes = _count_calls(monkeypatch, "saved_bytes_of_step")
+    arenas = StepArenas()
+    assert [VectorizedExecutor(workload, memory, arenas=arenas).chunk_size(_jobs(params, buffers)[3][0]) for _ in range(3)] == [2] * 3
+    assert probes == [1]
+    VectorizedExecutor(other, memory, arenas=arenas).chunk_size(job)
+    assert probes == [2]
+    state = torch.get_rng_state()
+    used_parameters(workload, job)
+    assert torch.equal(torch.get_rng_state(), state)
 
 
 def test_arenas_keep_a_runs_rounds_equal(monkeypatch):

@@ -46,15 +46,15 @@ KILLER = textwrap.dedent(
         return calls == n
 
     if where == "round":  # after the n-th client reply of the run
-        check = simulation.check_reply
+        check = simulation.begin_check
 
-        def check_reply(reply, spec):
+        def begin_check(reply, spec):
             result = check(reply, spec)
             if due():
                 os.kill(os.getpid(), signal.SIGKILL)
             return result
 
-        simulation.check_reply = check_reply
+        simulation.begin_check = begin_check
     elif where == "outcome":  # at the n-th stop point of the round loop: one before each round and each outcome
         point = simulation.stop_point
 

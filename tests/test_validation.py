@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from contrafl.algorithms.aggregation import sample_weights, weighted_average
 from contrafl.algorithms.base import Reply, TensorSpec, spec_of
@@ -14,7 +15,7 @@ from contrafl.config import load_config
 from contrafl.engine.checkpoint import load_safe
 from contrafl.engine.setup import prepare
 from contrafl.engine.simulation import Simulation
-from contrafl.engine.validate import check_reply, norm_outliers, update_norm
+from contrafl.engine.validate import begin_check, check_reply, finish_checks, norm_outliers, update_norm
 from contrafl.errors import CheckpointError, ClientUpdateError
 
 from conftest import FAST, simulate
@@ -51,6 +52,57 @@ def test_finite_values_whose_sum_overflows_pass():
     assert check_reply(Reply(0, 1, huge), spec) is None
     bad = {**huge, "c": torch.tensor([float("-inf"), 0.0])}
     assert check_reply(Reply(0, 1, bad), spec) == "'c' has non-finite values (0 NaN, 1 infinite)"
+
+
+def test_replies_checked_together_get_each_its_own_reason():
+    """finish_checks tests the values of many replies in one pass, and names for each
+    reply what check_reply alone would: its structure's fault, its first non-finite
+    tensor (not another reply's), a per-label table's rows, or None."""
+    spec = {"a": TensorSpec((3,), torch.float32), "b": TensorSpec((2,), torch.float32)}
+    table_spec = {"t": {"reps": TensorSpec((None, 2), torch.float32), "counts": TensorSpec((4,), torch.int64)}}
+    good = {"a": torch.ones(3), "b": torch.full((2,), 3e38)}  # finite, though its squares overflow
+    cases = [
+        (Reply(0, 5, good), spec),
+        (Reply(1, 5, {**good, "b": torch.tensor([1.0, float("nan")])}), spec),
+        (Reply(2, 5, {"a": torch.ones(3)}), spec),
+        (Reply(3, 5, {"a": torch.tensor([float("inf"), 0.0, 0.0]), "b": torch.ones(2)}), spec),
+        (Reply(4, 5, {"t": {"reps": torch.ones(3, 2), "counts": torch.ones(4, dtype=torch.int64)}}), table_spec),
+        (Reply(5, 5, good), spec),
+    ]
+    alone = [check_reply(reply, s) for reply, s in cases]
+    assert alone == [None, "'b' has non-finite values (1 NaN, 0 infinite)", "'b' is missing",
+                     "'a' has non-finite values (0 NaN, 1 infinite)", "a per-label table has 3 rows for 4 labels (4 marked)", None]
+    assert finish_checks([begin_check(reply, s) for reply, s in cases]) == alone
+    assert finish_checks([begin_check(cases[0][0], spec)] * 3) == [None] * 3
+    assert finish_checks([]) == []
+
+
+class _Waits(TorchDispatchMode):
+    """Counts the operations that wait for a tensor's value (on a GPU, for the device)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func.__name__ in ("_local_scalar_dense", "is_nonzero", "item", "equal")
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("executor", ["sequential", "vectorized"])
+def test_a_round_reads_its_replies_values_and_losses_at_once(executor):
+    """The replies' checks and the clients' losses (MOON's and its two parts) are read
+    with a fixed number of waits a round, not a few per client: 3 clients or 6, the
+    same (on a GPU, each wait stops the host until the device has caught up)."""
+    waits = []
+    for clients in (3, 6):
+        sim = Simulation(prepare(load_config(None, [*FAST, f"num_clients={clients}", f"executor={executor}", "algorithm=moon"])))
+        sim.run_round(0)
+        with _Waits() as counted:
+            row = sim.run_round(1)
+        assert row["train_loss"] > 0 and set(row["loss_parts"]) == {"ce", "con"}
+        waits.append(counted.count)
+    assert waits[0] == waits[1] <= 3  # the replies' values once, the evaluation's accuracy and loss
 
 
 def test_norm_outlier_rule_against_the_median():

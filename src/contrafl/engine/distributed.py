@@ -614,12 +614,15 @@ def summed_outcomes(
     sim: Simulation, outcomes: list[ClientOutcome], messages: dict[int, dict[str, Any]]
 ) -> tuple[list[ClientOutcome], list[torch.Tensor]]:
     """A worker's ``outcomes`` with the replies that pass the server's checks
-    (:meth:`~contrafl.engine.simulation.Simulation.reply_problem`) summed
+    (:meth:`~contrafl.engine.simulation.Simulation.reply_problems`) summed
     (:func:`~contrafl.engine.partial.summed`: marked ``checked``, their floating-point
     tensors in the returned mean); the others as they are, for rank 0 to check and
     reject as it would any reply. Unchanged when the valid replies have no mean to take."""
     specs: dict[int, Any] = {}
-    valid = [o for o in outcomes if o.reply is not None and sim.reply_problem(o.cid, o.reply, messages[o.cid], specs) is None]
+    replied = [o for o in outcomes if o.reply is not None]
+    checks = {o.cid: (sim.begin_reply_check(o.cid, o.reply, messages[o.cid], specs), o.reply) for o in replied}
+    problems = sim.reply_problems(checks, messages.__getitem__)
+    valid = [o for o in replied if o.cid not in problems]
     made = summed([o.reply for o in valid])
     if made is None:
         return outcomes, []
@@ -720,12 +723,16 @@ def _answer(sim: Simulation, store: dist.Store, packet: dict[str, Any]) -> tuple
     (the local steps counted in ``store`` for rank 0's progress), their outcomes with
     their next states, and the mean of their valid replies where the server sums them
     (:func:`summed_outcomes`)."""
+    from .simulation import as_floats
+
     t, messages = packet["t"], packet["messages"]
     for cid, state in packet["states"].items():
         if state is not None:
             sim.store.put(cid, state)
     work, sim.progress = RoundWork(t + 1, len(messages)), (report := StepsReport(store, t))
-    outcomes = list(sim.train_locally(t, list(messages), messages.__getitem__, sim.algorithm.phases(t), work))
+    trained = list(sim.train_locally(t, list(messages), messages.__getitem__, sim.algorithm.phases(t), work))
+    scalars = as_floats([(o.loss, o.parts) for o in trained])  # read with one transfer
+    outcomes = [dataclasses.replace(o, loss=loss, parts=parts) for o, (loss, parts) in zip(trained, scalars)]
     report.flush(work)
     stop_point()  # a stop requested while the clients trained: the answer is the stop
     outcomes, mean = summed_outcomes(sim, outcomes, messages) if sim.sums_replies else (outcomes, [])

@@ -299,11 +299,19 @@ def used_parameters(workload: Workload, job: Job, phase: int = 0) -> list[list[b
     """For each stage of ``phase``, whether each trained parameter gets a gradient from
     the loss (probed with autograd on the job's first batch of the phase; a loss whose
     structure does not depend on tensor values, as vectorized losses must be, uses the
-    same ones at every step)."""
+    same ones at every step). The global random streams are left as they were, so that
+    training draws the same numbers whether or not the probe ran (a kept answer,
+    :class:`~contrafl.engine.vectorized.StepArenas`)."""
     w, task, plan = workload, job.task, job.plans[phase]
     stages = w.phases[phase].stages
     if not plan.steps:
         return [[True] * len(stage_keys(stage, task)) for stage in stages]
+    with torch.random.fork_rng(devices=[w.x.device] if w.x.device.type == "cuda" else []):
+        return _probe_used(w, job, phase)
+
+
+def _probe_used(w: Workload, job: Job, phase: int) -> list[list[bool]]:
+    task, plan, stages = job.task, job.plans[phase], w.phases[phase].stages
     params = {
         role: {k: v.detach().clone().requires_grad_(True) for k, v in sd.items()} for role, sd in task.params.items()
     }

@@ -64,7 +64,7 @@ from .sampling import sample_schedule, secret_sample
 from .setup import Setup, choose_executor
 from .signals import interrupts, signal_name, stop_point
 from .tracking import Tracking, open_tracking
-from .validate import check_reply, norm_outliers
+from .validate import PendingCheck, begin_check, finish_checks, norm_outliers
 from .vectorized import StepArenas, VectorizedExecutor
 
 
@@ -106,29 +106,46 @@ class ClientOutcome:
     process died; ``rejected``: the client's update failed the checks of
     :func:`~contrafl.engine.validate.check_reply` where it was made, before a transport
     that hides single updates, such as secure aggregation, could carry it). ``time``:
-    the simulated time its work took (``steps / speed``, :mod:`contrafl.speeds`); ``straggler``: how a client that missed the round's deadline
-    was cut (:meth:`Simulation.cut_at_deadline`); ``checked``: the reply passed
-    :meth:`Simulation.reply_problem` where it was made (a worker of the distributed
-    executor, before it summed the replies), so the server does not check it again."""
+    the simulated time its work took (``steps / speed``, :mod:`contrafl.speeds`);
+    ``straggler``: how a client that missed the round's deadline was cut
+    (:meth:`Simulation.cut_at_deadline`); ``checked``: the reply passed
+    :meth:`Simulation.reply_problems` where it was made (a worker of the distributed
+    executor, before it summed the replies), so the server does not check it again.
+    From :meth:`Simulation.train_locally` the loss and its parts are 0-dim tensors where
+    they were computed: :func:`as_floats` reads many with one transfer (on a GPU one
+    wait for the device, not one a client); sent to another process, they are floats."""
 
     cid: int
     reply: Reply | None
-    loss: float | None = None
+    loss: float | torch.Tensor | None = None
     steps: int = 0
     lost: str | None = None
-    parts: dict[str, float] = field(default_factory=dict)
+    parts: dict[str, float | torch.Tensor] = field(default_factory=dict)
     time: float | None = None
     straggler: dict[str, Any] | None = None
     rejected: str | None = None
     checked: bool = False
 
 
-def loss_parts(stats: dict[str, torch.Tensor]) -> dict[str, float]:
+def loss_parts(stats: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The parts of a client's loss among the statistics of its local training (summed
     over its steps): every scalar statistic but the total ``loss`` (MOON's ``ce`` and
     ``con``, FedU2's ``align`` and ``uniformity``, ...), unweighted as the algorithm
     computed them."""
-    return {k: float(v) for k, v in stats.items() if k != "loss" and v.dim() == 0}
+    return {k: v for k, v in stats.items() if k != "loss" and v.dim() == 0}
+
+
+def as_floats(tree: Any) -> Any:
+    """``tree`` with every tensor among its leaves (0-dim) as a float, all read with one
+    transfer (on a GPU, one wait for the device)."""
+    leaves, spec = pytree.tree_flatten(tree)
+    at = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+    if at:
+        device = leaves[at[0]].device
+        values = torch.stack([leaves[i].detach().float().to(device) for i in at]).tolist()
+        for i, value in zip(at, values):
+            leaves[i] = value
+    return pytree.tree_unflatten(leaves, spec)
 
 
 Scores = dict[str, float]
@@ -531,7 +548,7 @@ class Simulation:
             entry = {"algorithm": state, "optimizer": result.opt_state if cfg.persist_optimizer_state else None}
             if entry["algorithm"] or entry["optimizer"] is not None or job.cid in self.store:
                 self.store.put(job.cid, entry)
-            loss = float(result.stats["loss"]) if "loss" in result.stats else None
+            loss = result.stats.get("loss")
             time = result.steps / speed
             yield ClientOutcome(job.cid, reply, loss, result.steps, parts=loss_parts(result.stats), time=time, straggler=cut)
 
@@ -605,17 +622,17 @@ class Simulation:
                 own_messages[cid] = message
             return message
 
-        replies: list[Reply] = []
-        received: list[Reply] = []  # every reply that reached the server, valid or not
         rejected: dict[int, str] = {}
         lost: dict[int, str] = {}
-        losses: dict[int, float] = {}
-        parts: dict[int, dict[str, float]] = {}
+        losses: dict[int, float | torch.Tensor] = {}
+        parts: dict[int, dict[str, float | torch.Tensor]] = {}
         steps = 0
         times: list[float] = []
         stragglers: list[dict[str, Any]] = []
         up: dict[str, int] = {}
         specs: dict[int, Any] = {}
+        arrived: dict[int, Reply] = {}  # every reply that reached the server, valid or not, by its client
+        checks: dict[int, tuple[PendingCheck, Reply]] = {}  # their checks, the values tested after the loop
         dropped = self.dropped_out(t, sampled)
         for cid in dropped:
             lost[cid] = f"dropped out (client_dropout={cfg.client_dropout:g})"
@@ -642,23 +659,24 @@ class Simulation:
                 lost[cid] = outcome.lost or "no reply"
                 continue
             reply = outcome.reply
-            received.append(reply)
             add_bytes(up, payload_bytes(reply.payload))
-            reason = None if outcome.checked else self.reply_problem(cid, reply, own_messages.get(cid, broadcast), specs)
-            if reason is None:
-                replies.append(reply)
-            else:
-                rejected[cid] = self.reject(cid, reason, t)
+            arrived[cid] = reply
+            if not outcome.checked:
+                checks[cid] = (self.begin_reply_check(cid, reply, own_messages.get(cid, broadcast), specs), reply)
             if outcome.loss is not None:
                 losses[cid] = outcome.loss
             parts[cid] = outcome.parts
             steps += outcome.steps
-        replies.sort(key=lambda r: r.cid)
+        for cid, reason in self.reply_problems(checks, lambda c: own_messages.get(c, broadcast)).items():
+            rejected[cid] = self.reject(cid, reason, t)
+        losses, parts = as_floats((losses, parts))
+        replies = [arrived[cid] for cid in sorted(arrived) if cid not in rejected]
         for cid, reason in norm_outliers(replies, broadcast, cfg.update_outlier_factor, own_messages).items():
             rejected[cid] = self.reject(cid, reason, t)
         replies = [r for r in replies if r.cid not in rejected]
         privacy: dict[str, Any] = {}
         if self.privacy is not None:  # the releases are in the ledger before anything made from them leaves
+            received = list(arrived.values())
             messages = {r.cid: own_messages.get(r.cid, broadcast) for r in received}
             if self.privacy.mode == "central":
                 replies, privacy["dp_clipped"] = self.privacy.central(replies, messages, t)
@@ -700,21 +718,33 @@ class Simulation:
         row["bytes_up"] = up
         return row
 
-    def reply_problem(self, cid: int, reply: Reply, message: dict[str, Any], specs: dict[int, Any]) -> str | None:
-        """Why client ``cid``'s ``reply`` to ``message`` cannot be aggregated, or None:
-        it names another client, or fails :func:`check_reply` against the algorithm's
+    def begin_reply_check(self, cid: int, reply: Reply, message: dict[str, Any], specs: dict[int, Any]) -> PendingCheck:
+        """The check of client ``cid``'s ``reply`` to ``message`` begun
+        (:func:`~contrafl.engine.validate.begin_check`; :meth:`reply_problems` finishes
+        it): the reply must name its client and match the algorithm's
         :meth:`~contrafl.algorithms.base.Algorithm.reply_spec` of ``message`` (kept in
-        ``specs`` by the message's ``id``, for the messages of one round), or, with
-        ``dp=local``, :meth:`Privacy.check_local`."""
+        ``specs`` by the message's ``id``, for the messages of one round)."""
         if reply.cid != cid:
-            return f"the reply names client {reply.cid!r}"
+            return PendingCheck(f"the reply names client {reply.cid!r}")
         spec = specs.get(id(message))
         if spec is None:
             spec = specs[id(message)] = self.algorithm.reply_spec(message)
-        reason = check_reply(reply, spec)
-        if reason is None and self.privacy is not None and self.privacy.mode == "local":
-            reason = self.privacy.check_local(reply, message)
-        return reason
+        return begin_check(reply, spec)
+
+    def reply_problems(
+        self, checks: dict[int, tuple[PendingCheck, Reply]], message_of: Callable[[int], dict[str, Any]]
+    ) -> dict[int, str]:
+        """``{cid: why}`` for the replies whose begun checks fail
+        (:func:`~contrafl.engine.validate.finish_checks`: their values tested together),
+        or, with ``dp=local``, :meth:`Privacy.check_local` against ``message_of(cid)``."""
+        reasons = finish_checks([check for check, _ in checks.values()])
+        problems = {}
+        for (cid, (_, reply)), reason in zip(checks.items(), reasons):
+            if reason is None and self.privacy is not None and self.privacy.mode == "local":
+                reason = self.privacy.check_local(reply, message_of(cid))
+            if reason is not None:
+                problems[cid] = reason
+        return problems
 
     @property
     def sums_replies(self) -> bool:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -24,30 +25,72 @@ from ..algorithms.base import Reply, TensorSpec, dtype_name
 
 
 def check_reply(reply: Reply, spec: Mapping[str, Any]) -> str | None:
-    """Why ``reply`` cannot be aggregated, or None when it matches ``spec`` and its
-    per-label tables have a row per label (:func:`table_problem`)."""
+    """Why ``reply`` cannot be aggregated, or None when it matches ``spec``, its
+    floating-point values are finite and its per-label tables have a row per label
+    (:func:`table_problem`)."""
+    return finish_checks([begin_check(reply, spec)])[0]
+
+
+@dataclass
+class PendingCheck:
+    """A reply's :func:`check_reply` begun by :func:`begin_check`: its structure checked
+    (``reason``), its floating-point tensors (named) and per-label tables kept for
+    :func:`finish_checks`."""
+
+    reason: str | None
+    floats: list[tuple[str, torch.Tensor]] = field(default_factory=list)
+    tables: list[Mapping[str, Any]] = field(default_factory=list)
+
+
+def begin_check(reply: Reply, spec: Mapping[str, Any]) -> PendingCheck:
+    """The part of :func:`check_reply` that reads no tensor value: the sample count, and
+    the payload's structure, shapes and dtypes against ``spec``."""
     n = reply.num_samples
     if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-        return f"num_samples={n!r}, expected a non-negative integer"
+        return PendingCheck(f"num_samples={n!r}, expected a non-negative integer")
     floats: list[tuple[str, torch.Tensor]] = []
-    reason = _check(reply.payload, spec, "", floats) or non_finite(floats)
-    return reason if reason is not None else next(filter(None, map(table_problem, label_tables(reply.payload))), None)
+    reason = _check(reply.payload, spec, "", floats)
+    return PendingCheck(reason) if reason is not None else PendingCheck(None, floats, label_tables(reply.payload))
 
 
-def non_finite(tensors: Sequence[tuple[str, torch.Tensor]]) -> str | None:
-    """Why one of the named floating-point ``tensors`` has NaN or infinite values (the
-    first in order), or None. One fused pass first: a tensor's L2 norm is finite when
-    all its values are (a sum of finite squares overflows only past its dtype's largest
-    value, and then the exact scan below clears the tensor), so the scan runs only when
-    a norm is not. L2, not L1: PyTorch's CPU kernel of the L2 norm is vectorised, the
-    L1's is not (0.08 against 0.53 ms for MOON's CNN, 151,278 values: 50 replies a round
-    of pfl's device shape)."""
-    if not tensors:
-        return None
-    values = [t for _, t in tensors]
-    norms = [n.float().to(values[0].device) for n in torch._foreach_norm(values, 2)]
-    if bool(torch.stack(norms).isfinite().all()):
-        return None
+def finish_checks(checks: Sequence[PendingCheck]) -> list[str | None]:
+    """Each begun check's reason, or None: its structure's (:func:`begin_check`), else
+    the first of its tensors with non-finite values, else its first per-label table's
+    problem. The values of all the replies are tested together (:func:`non_finite`): on a
+    GPU a few kernels and one wait for the device, not a few and one wait per reply."""
+    reasons = [c.reason for c in checks]
+    values = [c.floats if c.reason is None else [] for c in checks]
+    for i, why in enumerate(non_finite(values)):
+        if reasons[i] is None:
+            reasons[i] = why or next(filter(None, map(table_problem, checks[i].tables)), None)
+    return reasons
+
+
+def non_finite(groups: Sequence[Sequence[tuple[str, torch.Tensor]]]) -> list[str | None]:
+    """For each group of named floating-point tensors, why one of them has NaN or
+    infinite values (the first in order), or None. One fused pass over all the groups
+    first: a tensor's L2 norm is finite when all its values are (a sum of finite squares
+    overflows only past its dtype's largest value, and then the exact scan below clears
+    the tensor), so the scan runs only on a group with a norm that is not. L2, not L1:
+    PyTorch's CPU kernel of the L2 norm is vectorised, the L1's is not (0.08 against
+    0.53 ms for MOON's CNN, 151,278 values: 50 replies a round of pfl's device shape)."""
+    values = [t for group in groups for _, t in group]
+    if not values:
+        return [None] * len(groups)
+    norms = torch.stack([n.float().to(values[0].device) for n in torch._foreach_norm(values, 2)])
+    finite = norms.isfinite()
+    if bool(finite.all()):
+        return [None] * len(groups)
+    flags, out, start = finite.tolist(), [], 0
+    for group in groups:
+        end = start + len(group)
+        out.append(None if all(flags[start:end]) else _scan(group))
+        start = end
+    return out
+
+
+def _scan(tensors: Sequence[tuple[str, torch.Tensor]]) -> str | None:
+    """Why the first of ``tensors`` with non-finite values has them, counted exactly."""
     for where, value in tensors:
         finite = torch.isfinite(value)
         if not bool(finite.all()):

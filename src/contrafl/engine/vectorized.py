@@ -174,11 +174,30 @@ class VectorizedExecutor:
             per_client += 2 * params + state_bytes(task.buffers)
         elif any(len(set(plan.sizes)) > 1 for plan in job.plans):  # a mixed step's masked copies or gathered group
             per_client += 2 * params + state_bytes(task.buffers) + frozen
-        if self.arenas is not None and self.cuda_graphs and self.workload.x.is_cuda:  # a round's stack beside the arena's
+        if self._keeps_arenas:  # a round's stack beside the arena's
             per_client += 2 * params + state_bytes(task.buffers)
         per_client += frozen
         per_client += sum(plan.order.numel() for plan in job.plans) * 8
-        return per_client + 2 * saved_bytes_of_step(self.workload, job)
+        return per_client + 2 * self._saved_bytes(job)
+
+    def _saved_bytes(self, job: Job) -> int:
+        """:func:`saved_bytes_of_step` of ``job``; with a run's arenas on a GPU, measured
+        once for each computation and kept with them (the probe is an eager step of one
+        client, a few hundred kernel launches a round on a GPU)."""
+        w = self.workload
+        if not self._keeps_arenas:
+            return saved_bytes_of_step(w, job)
+        first = [(plan.sizes[:1], [{k: tuple(v.shape[1:]) for k, v in view.items()} for view in plan.aug]) for plan in job.plans]
+        phases = [(phase.stages, type(phase.optimizer).__name__, sorted(vars(phase.optimizer).items())) for phase in w.phases]
+        task = (job.task.params, job.task.buffers, job.task.frozen, job.task.consts)
+        signature = ("saved bytes", repr(phases), id(w.net), id(w.transform), w.x.data_ptr(), w.autocast, repr(first), _layout(task))
+        return self.arenas.measured(signature, lambda: saved_bytes_of_step(w, job))
+
+    @property
+    def _keeps_arenas(self) -> bool:
+        """Whether this executor keeps its stacks from round to round (a run's arenas,
+        with CUDA graphs on a GPU)."""
+        return self.arenas is not None and self.cuda_graphs and self.workload.x.is_cuda
 
     def chunk_size(self, job: Job) -> int:
         return max(1, int(self.memory_bytes // max(self.client_bytes(job), 1)))
@@ -244,7 +263,6 @@ class VectorizedExecutor:
 
         keys = [stage_keys(stage, tasks[0]) for stage in phase.stages]
         opt_states = [stack_trees([c.opt_states[where][i] for c in current], force=True)[0] for i in range(len(phase.stages))]
-        used = used_parameters(w, jobs[0], p)
 
         S = max(steps) if steps else 0
         # every step's rows and augmentation parameters, filled where the plans are (on
@@ -284,10 +302,12 @@ class VectorizedExecutor:
         graphs = StepGraphs.for_device(w.x.device, self.cuda_graphs)
         live = torch.ones(K, dtype=torch.bool, device=w.x.device)  # a masked step's clients (fixed address)
         if graphs.enabled and self.arenas is not None:  # an earlier round's stacks and graphs, this round's values
-            arena = self._arena(p, (repr(keys), repr(used)), _Arena(whole, totals, live, graphs))
-            whole, totals, live, graphs = arena.whole, arena.totals, arena.live, arena.graphs
+            arena = self._arena(p, repr(keys), whole, lambda: _Arena(whole, totals, live, graphs, used_parameters(w, jobs[0], p)))
+            whole, totals, live, graphs, used = arena.whole, arena.totals, arena.live, arena.graphs, arena.used
             params, buffers, frozen, opt_states = whole.params, whole.buffers, whole.frozen, whole.opt_states
             batch_rows, batch_augs, batch_noise = whole.rows, whole.augs, whole.noise
+        else:
+            used = used_parameters(w, jobs[0], p)
         if p == 0:
             seed_global(jobs[0].seed, w.x.device)
         pad = self.pad_finished
@@ -380,18 +400,20 @@ class VectorizedExecutor:
                 for k, v in totals_i.items():
                     c.stats[k] = c.stats[k] + v if k in c.stats else v
 
-    def _arena(self, p: int, step_keys: tuple, new: "_Arena") -> "_Arena":
-        """The kept arena of phase ``p``'s computation with ``new``'s values copied in, or
-        ``new`` kept, with its shared tensors made its own (:class:`StepArenas`)."""
-        w, phase, K = self.workload, self.workload.phases[p], len(new.live)
+    def _arena(self, p: int, step_keys: str, whole: "_Stack", make: Callable[[], "_Arena"]) -> "_Arena":
+        """The kept arena of phase ``p``'s computation with the values of this round's
+        stack ``whole`` copied in, or the new one that ``make()`` builds around
+        ``whole``, kept, with its shared tensors made its own (:class:`StepArenas`)."""
+        w, phase, K = self.workload, self.workload.phases[p], len(whole.rows)
         signature = (p, K, self.pad_finished, phase.stages, type(phase.optimizer).__name__,
                      tuple(sorted(vars(phase.optimizer).items())), id(w.net), id(w.transform), w.x.data_ptr(),
-                     w.y.data_ptr(), w.autocast, step_keys, new.whole.layout())
+                     w.y.data_ptr(), w.autocast, step_keys, whole.layout())
         arena = self.arenas.get(signature)
         if arena is None:
+            new = make()
             new.whole = new.whole.owning()
             return self.arenas.add(signature, new)
-        arena.refresh(new.whole)
+        arena.refresh(whole)
         return arena
 
     def _grad_fn(self, stage: Stage, frozen_dims: Any, consts_dims: Any, other_roles: list[str]) -> Callable:
@@ -451,14 +473,8 @@ class _Stack:
     def layout(self) -> str:
         """The structure, shapes and dtypes of every tree (what a step's graph is built
         for, apart from the values)."""
-        def meta(tree: Any) -> str:
-            leaves, spec = pytree.tree_flatten(tree)
-            return f"{spec}" + ";".join(
-                f"{tuple(t.shape)}{t.dtype}{t.device}" if isinstance(t, torch.Tensor) else repr(t) for t in leaves
-            )
-
-        return "|".join(meta(t) for t in (self.params, self.buffers, self.frozen, self.frozen_dims, self.consts,
-                                          self.consts_dims, self.opt_states, self.rows, self.augs, self.noise))
+        return _layout((self.params, self.buffers, self.frozen, self.frozen_dims, self.consts,
+                        self.consts_dims, self.opt_states, self.rows, self.augs, self.noise))
 
     def owning(self) -> "_Stack":
         """This stack with its unstacked tensors (frozen models and constants shared by
@@ -480,11 +496,14 @@ class _Stack:
 
 
 class _Arena:
-    """One phase's stacked state, statistics and mask at fixed addresses, and the CUDA
-    graphs of its steps, kept for the next round of the same shapes."""
+    """One phase's stacked state, statistics and mask at fixed addresses, the CUDA graphs
+    of its steps, and which parameters get gradients (:func:`used_parameters`: what the
+    graphs were captured for), kept for the next round of the same shapes."""
 
-    def __init__(self, whole: _Stack, totals: dict[str, torch.Tensor], live: torch.Tensor, graphs: StepGraphs) -> None:
-        self.whole, self.totals, self.live, self.graphs = whole, totals, live, graphs
+    def __init__(
+        self, whole: _Stack, totals: dict[str, torch.Tensor], live: torch.Tensor, graphs: StepGraphs, used: list[list[bool]]
+    ) -> None:
+        self.whole, self.totals, self.live, self.graphs, self.used = whole, totals, live, graphs, used
 
     def refresh(self, new: _Stack) -> None:
         """This round's values (``new``, of the same layout) copied in; the statistics
@@ -507,13 +526,16 @@ class StepArenas:
     phase whose steps are the same computation: the same stages (the loss and step
     functions, which must read what varies between rounds from the task's tensors, as
     the other executors also require), optimiser settings, model, data, transform,
-    clients, batch width and the same structure, shapes and dtypes of every tensor.
-    The ``capacity`` most recently used are kept (each holds a chunk's state and its
-    graphs' memory)."""
+    clients, batch width and the same structure, shapes and dtypes of every tensor;
+    which parameters get gradients is probed once, when an arena is made. The
+    ``capacity`` most recently used are kept (each holds a chunk's state and its
+    graphs' memory). The chunks' memory probes (:func:`saved_bytes_of_step`) are kept
+    too, one for each computation."""
 
     def __init__(self, capacity: int = 4) -> None:
         self.capacity = capacity
         self.arenas: OrderedDict[Hashable, _Arena] = OrderedDict()
+        self.sizes: dict[Hashable, int] = {}
 
     def get(self, signature: Hashable) -> _Arena | None:
         arena = self.arenas.get(signature)
@@ -526,6 +548,12 @@ class StepArenas:
         while len(self.arenas) > self.capacity:
             self.arenas.popitem(last=False)
         return arena
+
+    def measured(self, signature: Hashable, measure: Callable[[], int]) -> int:
+        """``measure()``, taken once for each ``signature`` (a chunk's memory probe)."""
+        if signature not in self.sizes:
+            self.sizes[signature] = measure()
+        return self.sizes[signature]
 
 
 def _step_groups(
@@ -573,6 +601,13 @@ def _batch_positions(plan: ClientPlan, width: int) -> torch.Tensor:
     sizes = torch.tensor(plan.sizes, dtype=torch.long)
     col = torch.arange(width)
     return offsets[:, None] + torch.minimum(col[None, :], (sizes - 1).clamp(min=0)[:, None])
+
+
+def _layout(tree: Any) -> str:
+    """The structure of ``tree``, and the shape, dtype and device of each tensor in it
+    (its other leaves as they are)."""
+    leaves, spec = pytree.tree_flatten(tree)
+    return f"{spec}" + ";".join(f"{tuple(t.shape)}{t.dtype}{t.device}" if isinstance(t, torch.Tensor) else repr(t) for t in leaves)
 
 
 class _Progress:

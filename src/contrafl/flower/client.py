@@ -37,7 +37,7 @@ from ..config import load_config
 from ..data.partition import Partition
 from ..engine.checkpoint import load_safe, save_atomic
 from ..engine.setup import own_rows, prepare, prepare_node
-from ..engine.simulation import Scores, Simulation
+from ..engine.simulation import Scores, Simulation, as_floats
 from ..engine.validate import check_reply
 from ..errors import ContraflError
 from .codec import decode, encode
@@ -157,7 +157,8 @@ class FlowerClient:
         if outcome.reply is None:  # a straggler dropped at the round's deadline
             return {"lost": outcome.lost, **timing}
         reply = outcome.reply
-        return {"payload": reply.payload, "num_samples": reply.num_samples, "loss": outcome.loss, "steps": outcome.steps, "parts": outcome.parts, **timing}
+        loss, parts = as_floats((outcome.loss, outcome.parts))
+        return {"payload": reply.payload, "num_samples": reply.num_samples, "loss": loss, "steps": outcome.steps, "parts": parts, **timing}
 
     def evaluate_model(self, t: int, state: dict[str, torch.Tensor]) -> Scores:
         """The global model ``state`` before round ``t + 1`` on the client's test data
