@@ -12,6 +12,7 @@ checks, the aggregation and the evaluation.
     python benchmarks/round_profile.py --data-dir ../shared/data/cifar-10-batches-py
     python benchmarks/round_profile.py --data-dir DIR --device cuda --shape device --rounds 5
     python benchmarks/round_profile.py --data-dir DIR --device cuda executor=distributed workers=2   # any setting
+    python benchmarks/round_profile.py --data-dir DIR --device cuda --cudnn-benchmark   # cuDNN's timed choice
 """
 
 from __future__ import annotations
@@ -40,9 +41,13 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3, help="rounds before the profiled ones (graphs captured, caches warm)")
     parser.add_argument("--rounds", type=int, default=5, help="rounds profiled")
     parser.add_argument("--top", type=int, default=15, help="rows of each table")
+    parser.add_argument("--cudnn-benchmark", action="store_true",
+                        help="let cuDNN time its algorithms for each convolution's shape and keep the fastest "
+                             "(torch.backends.cudnn.benchmark; contrafl leaves cuDNN's own choice)")
     parser.add_argument("settings", nargs="*", help="more KEY=VALUE settings of contrafl's run")
     a = parser.parse_args()
     print(machine())
+    torch.backends.cudnn.benchmark = a.cudnn_benchmark
 
     from contrafl.config import load_config
     from contrafl.engine import cuda_graphs
@@ -53,7 +58,8 @@ def main() -> None:
     total = a.warmup + a.rounds
     overrides = [*contrafl_overrides(shape, str(Path(a.data_dir).resolve()), 0, total), f"device={a.device}", *a.settings]
     sim = Simulation(prepare(load_config(None, overrides)), None, None)
-    print(f"{a.shape} shape, {sim.cfg.executor} executor on {sim.device}: {a.warmup} rounds of warm-up, {a.rounds} profiled")
+    print(f"{a.shape} shape, {sim.cfg.executor} executor on {sim.device}: {a.warmup} rounds of warm-up, {a.rounds} profiled"
+          + (", cuDNN benchmark mode" if a.cudnn_benchmark else ""))
     cuda = sim.device.type == "cuda"
 
     inside = [0.0]

@@ -238,6 +238,20 @@ def test_a_client_with_partial_batches_budgets_the_gathered_group():
     assert plain.client_bytes(partial) == padded.client_bytes(partial)
 
 
+def test_each_clients_result_owns_its_storage():
+    """The vectorized executor's results are copies, not views of the stack: a view kept
+    in the client store would keep the whole stack alive and be saved whole."""
+    model = _model()
+    params, buffers = _split(model)
+    x, y, tf, jobs = _jobs(params, buffers)
+    workload = Workload.single(x, y, tf, FunctionalNet(model), [Stage(supervised)], SGD(0.1, 0.9))
+    results = VectorizedExecutor(workload, 2**30).train(jobs)
+    tensors = [t for r in results for t in (*r.params["model"].values(), *r.buffers["model"].values(), *r.stats.values())]
+    tensors += [t for r in results for state in r.opt_state for t in pytree.tree_leaves(state) if isinstance(t, torch.Tensor)]
+    assert len({t.untyped_storage().data_ptr() for t in tensors}) == len(tensors)
+    assert all(t.untyped_storage().nbytes() == t.numel() * t.element_size() for t in tensors)
+
+
 def test_chunking_by_memory_gives_the_same_results():
     model = _model()
     params, buffers = _split(model)

@@ -108,15 +108,19 @@ def slice_tree(tree: Any, dims: Any, a: int) -> Any:
 
 def unstack(tree: Any, n: int) -> list[Any]:
     """The ``n`` clients' slices of a tree whose tensors are all stacked, each copied so
-    it owns its storage: one ``unbind`` per tensor and one copy per client (indexing
-    client by client would add a select per tensor and client: on a GPU, each operation
-    costs host time)."""
+    it owns its storage (a view would keep the whole stack alive, and be saved whole):
+    one ``unbind`` per tensor, and every copy written by one fused ``_foreach_copy_``
+    into fresh tensors (on a GPU a few kernels, not one per client and tensor)."""
     leaves, spec = pytree.tree_flatten(tree)
     columns = [leaf.unbind(0) if isinstance(leaf, torch.Tensor) else None for leaf in leaves]
-    return [
-        pytree.tree_unflatten([leaf if c is None else c[i].clone() for leaf, c in zip(leaves, columns)], spec)
-        for i in range(n)
-    ]
+    sources = [c[i] for i in range(n) for c in columns if c is not None]
+    copies = [torch.empty_like(s) for s in sources]
+    if copies:
+        with torch.no_grad():
+            torch._foreach_copy_(copies, sources)
+    made = iter(copies)
+    return [pytree.tree_unflatten([leaf if c is None else next(made) for leaf, c in zip(leaves, columns)], spec)
+            for _ in range(n)]
 
 
 def saved_bytes_of_step(workload: Workload, job: Job) -> int:
@@ -391,11 +395,12 @@ class VectorizedExecutor:
                         for k, v in {**params[role], **buffers[role]}.items():
                             frozen[name][k][i].copy_(v[i])
 
-        out = zip(unstack(params, K), unstack(buffers, K), unstack({name: frozen[name] for name in frozen_snap}, K),
-                  unstack(opt_states, K), unstack(totals, K))
+        kept_states = opt_states if w.keep_opt_state else []  # a run that does not persist them drops them
+        out = unstack((params, buffers, {name: frozen[name] for name in frozen_snap}, kept_states, totals), K)
         for c, n, (p_i, b_i, snaps_i, opt_i, totals_i) in zip(current, steps, out):
             c.params, c.buffers, c.frozen = p_i, b_i, {**c.frozen, **snaps_i}
-            c.opt_states[where] = opt_i
+            if w.keep_opt_state:
+                c.opt_states[where] = opt_i
             if n:
                 for k, v in totals_i.items():
                     c.stats[k] = c.stats[k] + v if k in c.stats else v
