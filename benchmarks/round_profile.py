@@ -13,6 +13,7 @@ checks, the aggregation and the evaluation.
     python benchmarks/round_profile.py --data-dir DIR --device cuda --shape device --rounds 5
     python benchmarks/round_profile.py --data-dir DIR --device cuda executor=distributed workers=2   # any setting
     python benchmarks/round_profile.py --data-dir DIR --device cuda --cudnn-benchmark   # cuDNN's timed choice
+    python benchmarks/round_profile.py --data-dir DIR --device cuda --unfold-conv   # convolutions as batched matmuls
 """
 
 from __future__ import annotations
@@ -25,12 +26,31 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from _common import machine  # noqa: E402
 from peers._common import SHAPES, contrafl_overrides  # noqa: E402
 
 WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy ", "cudaMemcpy")
+
+
+def unfold_conv(conv: torch.nn.Conv2d, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``conv``'s convolution of ``x`` as ``weight [O, C*kh*kw] @ unfold(x) [N, C*kh*kw, L]``
+    (numeric padding, one group; else as PyTorch computes it). Under ``vmap`` over clients
+    with their own weights this is a batched matrix product, where PyTorch's batching rule
+    for the convolution is a grouped convolution with one group per client."""
+    if isinstance(conv.padding, str) or conv.groups != 1 or conv.padding_mode != "zeros":
+        return CONV_FORWARD(conv, x, weight, bias)
+    (kh, kw), (ph, pw), (sh, sw), (dh, dw) = weight.shape[-2:], conv.padding, conv.stride, conv.dilation
+    oh = (x.shape[-2] + 2 * ph - dh * (kh - 1) - 1) // sh + 1
+    ow = (x.shape[-1] + 2 * pw - dw * (kw - 1) - 1) // sw + 1
+    columns = F.unfold(x, (kh, kw), dilation=conv.dilation, padding=conv.padding, stride=conv.stride)
+    out = (weight.flatten(1) @ columns).unflatten(-1, (oh, ow))
+    return out if bias is None else out + bias[:, None, None]
+
+
+CONV_FORWARD = torch.nn.Conv2d._conv_forward
 
 
 def main() -> None:
@@ -44,10 +64,15 @@ def main() -> None:
     parser.add_argument("--cudnn-benchmark", action="store_true",
                         help="let cuDNN time its algorithms for each convolution's shape and keep the fastest "
                              "(torch.backends.cudnn.benchmark; contrafl leaves cuDNN's own choice)")
+    parser.add_argument("--unfold-conv", action="store_true",
+                        help="compute each convolution as unfold + matrix product (under vmap: one batched matrix "
+                             "product over the clients instead of cuDNN's grouped convolution); a probe, not a setting")
     parser.add_argument("settings", nargs="*", help="more KEY=VALUE settings of contrafl's run")
     a = parser.parse_args()
     print(machine())
     torch.backends.cudnn.benchmark = a.cudnn_benchmark
+    if a.unfold_conv:
+        torch.nn.Conv2d._conv_forward = unfold_conv
 
     from contrafl.config import load_config
     from contrafl.engine import cuda_graphs
@@ -59,7 +84,7 @@ def main() -> None:
     overrides = [*contrafl_overrides(shape, str(Path(a.data_dir).resolve()), 0, total), f"device={a.device}", *a.settings]
     sim = Simulation(prepare(load_config(None, overrides)), None, None)
     print(f"{a.shape} shape, {sim.cfg.executor} executor on {sim.device}: {a.warmup} rounds of warm-up, {a.rounds} profiled"
-          + (", cuDNN benchmark mode" if a.cudnn_benchmark else ""))
+          + (", cuDNN benchmark mode" if a.cudnn_benchmark else "") + (", convolutions as unfold + matmul" if a.unfold_conv else ""))
     cuda = sim.device.type == "cuda"
 
     inside = [0.0]

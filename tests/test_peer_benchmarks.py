@@ -83,3 +83,31 @@ needs_cifar = pytest.mark.skipif(not (CIFAR / "data_batch_1").exists(), reason="
 @pytest.mark.skipif(importlib.util.find_spec("pfl") is None, reason="pfl (pfl-research) is not installed")
 def test_pfl_research_quick_check_runs_both_programs_on_equal_work(tmp_path):
     assert_equal_work(quick_check("pfl_research.py", tmp_path, "--configs", "single"), ["pfl"])
+
+
+def test_the_round_profiles_unfold_probe_computes_the_convolution(monkeypatch):
+    """benchmarks/round_profile.py --unfold-conv (what the GPU session compares with cuDNN's
+    grouped convolution) gives the convolution's values and, under vmap over clients with
+    their own weights, its gradients; padding and strides included."""
+    import torch
+    from torch.func import functional_call, grad, vmap
+
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the script puts benchmarks/ first
+    for name in ("_common", "peers", "peers._common"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    spec = importlib.util.spec_from_file_location("round_profile", ROOT / "benchmarks" / "round_profile.py")
+    profile = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(profile)
+    torch.manual_seed(0)
+    conv = torch.nn.Conv2d(3, 4, (5, 3), stride=(2, 1), padding=(1, 2))
+    weights, biases, x = torch.randn(3, 4, 3, 5, 3), torch.randn(3, 4), torch.randn(3, 6, 3, 17, 16)
+
+    def loss(w):
+        out = vmap(lambda w, b, x: functional_call(conv, {"weight": w, "bias": b}, (x,)))(w, biases, x)
+        return out.square().sum(), out
+
+    (native_grad, native) = grad(loss, has_aux=True)(weights)
+    monkeypatch.setattr(torch.nn.Conv2d, "_conv_forward", profile.unfold_conv)
+    (unfold_grad, unfolded) = grad(loss, has_aux=True)(weights)
+    torch.testing.assert_close(unfolded, native, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(unfold_grad, native_grad, rtol=1e-5, atol=1e-4)
