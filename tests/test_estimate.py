@@ -219,3 +219,25 @@ def test_every_executor_reports_each_local_step_of_the_round(settings):
         assert seen[-1][1] == row["local_steps"] and all(d <= total for d, total in seen)
     if "stragglers=partial" in settings:  # the deadline cut some client's planned steps
         assert any(row.get("stragglers") for row in sim.history)
+
+
+def test_ranks_that_stack_their_share_are_timed_with_a_ranks_threads(monkeypatch):
+    """``executor=distributed rank_executor=vectorized`` started by contrafl on a CPU: the
+    calibration times the stacked steps with the threads each rank gets (the machine's
+    cores shared among the ranks), not this process's, and leaves those as they were."""
+    import torch
+
+    from contrafl.cores import cores_each
+    from contrafl.engine.vectorized import VectorizedExecutor
+
+    seen = []
+    train = VectorizedExecutor.train
+    monkeypatch.setattr(VectorizedExecutor, "train", lambda ex, jobs, *a, **k: seen.append(torch.get_num_threads()) or train(ex, jobs, *a, **k))
+    sim = Simulation(prepare(load_config(None, [*SMALL, "executor=distributed", "workers=2", "rank_executor=vectorized"])))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(cores_each(2) + 1)
+    try:
+        assert estimate(sim) is not None
+        assert seen and set(seen) == {cores_each(2)} and torch.get_num_threads() == cores_each(2) + 1
+    finally:
+        torch.set_num_threads(threads)

@@ -295,7 +295,10 @@ def _vectorized(cal: Calibration, executor: VectorizedExecutor, per_round: list[
     measured. A step of ``a`` clients costs ``one + slope * (a - 1)``, from a chunk of
     the round's clients and from one client, each trained ``budget`` steps. On ``ranks``
     ranks of the distributed executor (``rank_executor=vectorized``) each rank stacks
-    its share of the round's clients, and a round takes its slowest rank's time."""
+    its share of the round's clients with a rank's threads (as :func:`_distributed`), and
+    a round takes its slowest rank's time."""
+    if ranks > 1 and launched() is None:
+        torch.set_num_threads(cores_each(ranks))
     first = cal.job(cal.cids[0], cal.budget)
     chunk = executor.chunk_size(first)
     jobs = [first] + [cal.job(c, cal.budget) for c in cal.cids[1:chunk]]
