@@ -97,7 +97,8 @@ def _uninterrupted(tmp_path, settings):
     return (tmp_path / "clean" / "metrics.jsonl").read_bytes()
 
 
-ALGORITHMS = ["fedavg", "fedprox", "scaffold", "moon", "fedssc", "fedsiam_da", "solo"]
+# FedProx (FedAvg's state and messages, another local loss) is left out: FedAvg's case covers its resume.
+ALGORITHMS = ["fedavg", "scaffold", "moon", "fedssc", "fedsiam_da", "solo"]
 
 
 @pytest.mark.slow
@@ -202,9 +203,11 @@ def test_orchestra_killed_in_the_middle_of_a_round_resumes_exactly(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("algorithm", ["moon", "scaffold", "solo"])
-def test_killed_while_writing_a_checkpoint_resumes_exactly(tmp_path, algorithm):
-    settings = [f"algorithm={algorithm}", *SETTINGS]
+def test_killed_while_writing_a_checkpoint_resumes_exactly(tmp_path):
+    """A checkpoint torn while it is written is never read; the run resumes from the one
+    before. SCAFFOLD: both the server's state and the clients' (the checkpoint's writing
+    does not depend on what the states hold; the other kinds resume in the tests above)."""
+    settings = ["algorithm=scaffold", *SETTINGS]
     clean = _uninterrupted(tmp_path, settings)
     run = tmp_path / "run"
     _killed_run(run, "checkpoint", 3, settings)  # the checkpoint after round 3
