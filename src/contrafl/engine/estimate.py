@@ -278,10 +278,16 @@ def _distributed(cal: Calibration, world: int, per_round: list[list[int]]) -> tu
     and the steps measured: a client's step with a rank's threads (``cores // world``
     where contrafl starts the ranks, torchrun's own otherwise) times the busiest rank's
     steps of every round (the ranks start once, with the run)."""
-    if launched() is None:
-        torch.set_num_threads(cores_each(world))
+    _use_a_ranks_threads(world)
     step, measured = cal.client_step()
     return step * sum(_busiest(per_round, world)), measured
+
+
+def _use_a_ranks_threads(world: int) -> None:
+    """This process's torch threads set to a rank's of ``world`` where contrafl starts the
+    ranks (the machine's cores shared among them); under torchrun, the launcher's own."""
+    if launched() is None:
+        torch.set_num_threads(cores_each(world))
 
 
 def _busiest(per_round: list[list[int]], workers: int) -> list[int]:
@@ -297,8 +303,8 @@ def _vectorized(cal: Calibration, executor: VectorizedExecutor, per_round: list[
     ranks of the distributed executor (``rank_executor=vectorized``) each rank stacks
     its share of the round's clients with a rank's threads (as :func:`_distributed`), and
     a round takes its slowest rank's time."""
-    if ranks > 1 and launched() is None:
-        torch.set_num_threads(cores_each(ranks))
+    if ranks > 1:
+        _use_a_ranks_threads(ranks)
     first = cal.job(cal.cids[0], cal.budget)
     chunk = executor.chunk_size(first)
     jobs = [first] + [cal.job(c, cal.budget) for c in cal.cids[1:chunk]]

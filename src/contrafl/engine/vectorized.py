@@ -61,6 +61,7 @@ from .client_store import state_bytes
 from .cuda_graphs import StepGraphs
 from .executor import (
     Job,
+    PhaseRun,
     SequentialExecutor,
     StepsDone,
     Workload,
@@ -192,10 +193,15 @@ class VectorizedExecutor:
         if not self._keeps_arenas:
             return saved_bytes_of_step(w, job)
         first = [(plan.sizes[:1], [{k: tuple(v.shape[1:]) for k, v in view.items()} for view in plan.aug]) for plan in job.plans]
-        phases = [(phase.stages, type(phase.optimizer).__name__, sorted(vars(phase.optimizer).items())) for phase in w.phases]
         task = (job.task.params, job.task.buffers, job.task.frozen, job.task.consts)
-        signature = ("saved bytes", repr(phases), id(w.net), id(w.transform), w.x.data_ptr(), w.autocast, repr(first), _layout(task))
+        signature = ("saved bytes", tuple(map(_phase_signature, w.phases)), self._inputs_signature(), repr(first), _layout(task))
         return self.arenas.measured(signature, lambda: saved_bytes_of_step(w, job))
+
+    def _inputs_signature(self) -> tuple:
+        """What every step of this workload reads besides its tensors' values: the model,
+        the transform, the data and the autocast dtype."""
+        w = self.workload
+        return id(w.net), id(w.transform), w.x.data_ptr(), w.y.data_ptr(), w.autocast
 
     @property
     def _keeps_arenas(self) -> bool:
@@ -409,10 +415,8 @@ class VectorizedExecutor:
         """The kept arena of phase ``p``'s computation with the values of this round's
         stack ``whole`` copied in, or the new one that ``make()`` builds around
         ``whole``, kept, with its shared tensors made its own (:class:`StepArenas`)."""
-        w, phase, K = self.workload, self.workload.phases[p], len(whole.rows)
-        signature = (p, K, self.pad_finished, phase.stages, type(phase.optimizer).__name__,
-                     tuple(sorted(vars(phase.optimizer).items())), id(w.net), id(w.transform), w.x.data_ptr(),
-                     w.y.data_ptr(), w.autocast, step_keys, whole.layout())
+        phase, K = self.workload.phases[p], len(whole.rows)
+        signature = (p, K, self.pad_finished, _phase_signature(phase), self._inputs_signature(), step_keys, whole.layout())
         arena = self.arenas.get(signature)
         if arena is None:
             new = make()
@@ -606,6 +610,11 @@ def _batch_positions(plan: ClientPlan, width: int) -> torch.Tensor:
     sizes = torch.tensor(plan.sizes, dtype=torch.long)
     col = torch.arange(width)
     return offsets[:, None] + torch.minimum(col[None, :], (sizes - 1).clamp(min=0)[:, None])
+
+
+def _phase_signature(phase: PhaseRun) -> tuple:
+    """A phase's computation apart from its tensors: its stages and optimiser settings."""
+    return phase.stages, type(phase.optimizer).__name__, tuple(sorted(vars(phase.optimizer).items()))
 
 
 def _layout(tree: Any) -> str:
