@@ -303,6 +303,40 @@ def test_a_worker_stopped_in_round_3_stops_the_run_and_it_resumes_to_the_same_by
     assert (run / "metrics.jsonl").read_bytes() == uninterrupted
 
 
+def test_a_stop_requested_while_a_worker_sends_its_answer_stops_the_run_as_interrupted(tmp_path, monkeypatch, capsys, uninterrupted):
+    """A stop request that lands on a worker while its answer waits for rank 0 to take
+    it (rank 0 still training its own share) neither cuts that message after its size
+    nor ends the worker before rank 0 has taken its last word: the answer arrives whole,
+    the stop is the worker's answer to the next packet, and rank 0 stops the run as
+    interrupted, not as a lost rank; the run resumes to the same bytes."""
+    from contrafl.engine import signals
+
+    parent, send, train_locally = os.getpid(), distributed.send, Simulation.train_locally
+    answers = []
+
+    def stopped_while_sending(obj, peer):
+        if os.getpid() != parent and isinstance(obj, tuple):
+            answers.append(obj)
+            if len(answers) == 2:  # round 2's answer, which rank 0 takes 1 s late
+                signals._record(signal.SIGTERM, None)  # as the SIGTERM handler records it
+        send(obj, peer)
+
+    def slow_rank_0(self, round_, *args, **kwargs):
+        yield from train_locally(self, round_, *args, **kwargs)
+        if os.getpid() == parent and round_ >= 1:
+            time.sleep(1.0)
+
+    monkeypatch.setattr(distributed, "send", stopped_while_sending)
+    monkeypatch.setattr(Simulation, "train_locally", slow_rank_0)
+    run = tmp_path / "run"
+    capsys.readouterr()
+    assert main(["run", "--quiet", "--out", str(run), *MOON, "executor=distributed", "workers=2"]) == 128 + signal.SIGTERM
+    assert capsys.readouterr().err.strip() == f"interrupted by SIGTERM after round 2; `contrafl run --resume {run}` continues from round 3"
+    monkeypatch.undo()
+    assert main(["run", "--quiet", "--resume", str(run)]) == 0
+    assert (run / "metrics.jsonl").read_bytes() == uninterrupted
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(torchrun_path() is None, reason="no torchrun")
 def test_sigterm_to_a_torchrun_worker_stops_both_launchers_as_interrupted(tmp_path):

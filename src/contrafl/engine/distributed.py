@@ -257,12 +257,14 @@ def _post(op: Callable[[torch.Tensor, int], Any], tensor: torch.Tensor, peer: in
 
 def send(obj: Any, peer: int) -> None:
     """Send ``obj`` to rank ``peer``: its size, then its bytes (``torch.save``: a tensor
-    shared by several clients' messages travels once)."""
+    shared by several clients' messages travels once). A stop request waits until the
+    message is sent whole: one cut after its size would leave the peer reading the next
+    message as this one's bytes."""
     buffer = io.BytesIO()
     torch.save(obj, buffer)
     data = torch.frombuffer(buffer.getbuffer(), dtype=torch.uint8)
-    _wait(_post(dist.isend, torch.tensor([data.numel()], dtype=torch.int64), peer), peer)
-    _wait(_post(dist.isend, data, peer), peer)
+    _wait(_post(dist.isend, torch.tensor([data.numel()], dtype=torch.int64), peer), peer, stoppable=False)
+    _wait(_post(dist.isend, data, peer), peer, stoppable=False)
 
 
 def receive(
@@ -270,11 +272,11 @@ def receive(
 ) -> Any:
     """The next object rank ``peer`` sends, its tensors on ``device`` (``waiting``: called
     every :data:`POLL_S` seconds until it starts to come; ``stoppable``: a stop request
-    raises while it waits)."""
+    raises while it waits for the message to start; once begun, it is read whole)."""
     size = torch.zeros(1, dtype=torch.int64)
     _wait(_post(dist.irecv, size, peer), peer, waiting, stoppable)
     data = torch.empty(int(size), dtype=torch.uint8)
-    _wait(_post(dist.irecv, data, peer), peer)
+    _wait(_post(dist.irecv, data, peer), peer, stoppable=False)
     return torch.load(io.BytesIO(data.numpy().tobytes()), map_location=device, weights_only=False)
 
 
