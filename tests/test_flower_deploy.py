@@ -167,6 +167,8 @@ def test_contrafl_deploy_with_tls_equals_the_simulator(tmp_path, capsys):
     assert "(TLS, SuperNode authentication)" in out
     assert sorted(p.name for p in (tmp_path / "flower-run" / "flower" / "keys").iterdir()) == ["node-0", "node-0.pub", "node-1", "node-1.pub"]
     assert "SuperNode authentication is disabled" not in (tmp_path / "flower-run" / "flower" / "logs" / "superlink.log").read_text()
+    logs = sorted((tmp_path / "flower-run" / "flower" / "logs").glob("*.log"))
+    assert len(logs) >= 4 and not [p.name for p in logs if "Traceback" in p.read_text()]  # nor at the deployment's stop
     assert "round 1/1  |####################|  loss" in out  # the server's progress, as it comes
     # not a terminal: no colour codes, no empty log line, the end said once
     assert "\x1b[" not in out and not any(line.strip() in ("INFO :", "INFO  :") or line.strip() == "INFO" for line in out.splitlines())

@@ -115,6 +115,7 @@ def test_workers_answer_as_the_clientapp_does_and_a_killed_one_is_replaced(tmp_p
     assert not pid_file.exists() and not pid_file.with_suffix(".sock").exists()
 
 
+@pytest.mark.slow
 def test_a_worker_reports_what_does_not_fit_in_one_line_and_worker_false_answers_in_process(tmp_path, capsys, worker_dir):
     """A node whose data-dir has no dataset: its worker cannot load the client and says
     why in one line (the node's log and the server's record of the lost client), as the
@@ -187,3 +188,26 @@ def test_the_clientapp_imports_neither_torch_nor_the_engine():
     modules = json.loads(out)
     assert not [m for m in modules if m.startswith("torch")]
     assert not [m for m in modules if m.startswith(("contrafl.engine", "contrafl.algorithms", "contrafl.models", "contrafl.data"))]
+
+
+@pytest.mark.slow
+def test_a_sigterm_while_the_worker_exits_leaves_no_traceback_in_the_log(tmp_path):
+    """A stopped deployment signals the SuperNode's group more than once; a SIGTERM that
+    reaches the worker while it runs the interpreter's exit handlers is ignored (it
+    printed ``Exception ignored in atexit callback`` and a traceback into the SuperNode's
+    log), and the worker ends with status 0."""
+    import subprocess
+    import sys
+
+    code = (
+        "import atexit, os, signal, sys, time\n"
+        "from contrafl.flower import worker\n"
+        "worker.Worker.__init__ = lambda self, *args: None\n"
+        "worker.Worker.serve = lambda self: None  # a worker that has served and exits\n"
+        "atexit.register(lambda: (os.kill(os.getpid(), signal.SIGTERM), time.sleep(0.2)))  # the group's SIGTERM, late\n"
+        "sys.argv = ['worker', sys.argv[1], '1', sys.argv[2]]\n"
+        "worker.main()\n"
+    )
+    settings = {"partition_id": 0, "run_dir": str(tmp_path), "run_dir_setting": "run-dir", "state_dir": None, "data_dir": None, "threads": 1}
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "w.sock"), json.dumps(settings)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stderr == "", done.stderr

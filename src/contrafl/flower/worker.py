@@ -298,8 +298,20 @@ def main() -> None:
     """``python -m contrafl.flower.worker SOCKET OWNER SETTINGS`` (started by :func:`start`)."""
     path, owner, settings = Path(sys.argv[1]), int(sys.argv[2]), NodeSettings.from_dict(json.loads(sys.argv[3]))
     idle = float(os.environ.get("CONTRAFL_WORKER_IDLE_S") or IDLE_S)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    Worker(path, owner, settings, idle).serve()
+    signal.signal(signal.SIGTERM, _exit)
+    try:
+        Worker(path, owner, settings, idle).serve()
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # exiting already (see _exit)
+
+
+def _exit(signum: int, frame: object) -> None:
+    """SIGTERM (the SuperNode's group stopped): exit through ``serve``'s cleanup. Once
+    the worker exits, a SIGTERM is ignored: raised in the interpreter's exit handlers
+    (torch's among them) it printed ``Exception ignored in atexit callback`` and a
+    traceback into the SuperNode's log, often, when a deployment stopped."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    sys.exit(0)
 
 
 if __name__ == "__main__":
