@@ -16,27 +16,37 @@ def run_cli(*args, cwd=None):
     return subprocess.run([sys.executable, "-m", "contrafl", *args], capture_output=True, text=True, cwd=cwd)
 
 
-@pytest.mark.parametrize(
-    "args,fragment",
-    [
-        (["dataset=cifar11"], "unknown dataset 'cifar11' (did you mean 'cifar10'?)"),
-        (["dataset=cifar10", "data_dir=/nonexistent/dir"], "data_dir=/nonexistent/dir does not exist"),
-        (["dataset=cifar10"], "needs data_dir=PATH; get the files with"),
-        (["partition.beta=0"], "partition.beta='0' is invalid: expected > 0"),
-        (["partition.beta=-1"], "partition.beta='-1' is invalid"),
-        (["num_clients=5000"], "num_clients=5000 is larger than the 1347 training samples"),
-        (["algorithm=mooon"], "did you mean 'moon'"),
-        (["algorithm.mu=-1", "algorithm=moon"], "algorithm.mu='-1' is invalid"),
-        (["rounds=0"], "rounds='0' is invalid"),
-    ],
-)
-def test_user_errors(args, fragment, tmp_path):
+USER_ERRORS = [
+    (["dataset=cifar11"], "unknown dataset 'cifar11' (did you mean 'cifar10'?)"),
+    (["dataset=cifar10", "data_dir=/nonexistent/dir"], "data_dir=/nonexistent/dir does not exist"),
+    (["dataset=cifar10"], "needs data_dir=PATH; get the files with"),
+    (["partition.beta=0"], "partition.beta='0' is invalid: expected > 0"),
+    (["partition.beta=-1"], "partition.beta='-1' is invalid"),
+    (["num_clients=5000"], "num_clients=5000 is larger than the 1347 training samples"),
+    (["algorithm=mooon"], "did you mean 'moon'"),
+    (["algorithm.mu=-1", "algorithm=moon"], "algorithm.mu='-1' is invalid"),
+    (["rounds=0"], "rounds='0' is invalid"),
+]
+
+
+@pytest.mark.parametrize("args,fragment", USER_ERRORS)
+def test_user_errors(args, fragment, tmp_path, capsys):
+    """Each a one-line error and exit status 2 (the command line's own process: below)."""
+    assert main(["run", "--out", str(tmp_path / "r"), *args]) == 2
+    assert_one_error_line(capsys.readouterr().err, fragment)
+
+
+@pytest.mark.parametrize("args,fragment", [USER_ERRORS[0], USER_ERRORS[5]])  # a setting's error, and one from the data
+def test_user_errors_from_the_command_lines_process(args, fragment, tmp_path):
+    """`python -m contrafl run ...`: one line on stderr (no warning, no traceback), exit status 2."""
     proc = run_cli("run", "--out", str(tmp_path / "r"), *args)
     assert proc.returncode == 2
-    assert "Traceback" not in proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("contrafl: error: ")
-    assert fragment in lines[0]
+    assert_one_error_line(proc.stderr, fragment)
+
+
+def assert_one_error_line(err: str, fragment: str) -> None:
+    lines = err.strip().splitlines()
+    assert "Traceback" not in err and len(lines) == 1 and lines[0].startswith("contrafl: error: ") and fragment in lines[0], err
 
 
 def test_subset_needs_explicit_acceptance(tmp_path):

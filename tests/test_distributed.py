@@ -212,6 +212,7 @@ def test_a_worker_killed_in_round_3_ends_the_run_in_one_line_and_the_run_resumes
     assert (run / "metrics.jsonl").read_bytes() == uninterrupted
 
 
+@pytest.mark.slow
 def test_a_rank_busy_for_longer_than_the_process_groups_timeout_is_waited_for(tmp_path, monkeypatch):
     """The process group's timeout is for joining it: a worker whose answer waits for
     rank 0's share of round 2, and rank 0 waiting for a worker's share of round 3, each
@@ -230,6 +231,7 @@ def test_a_rank_busy_for_longer_than_the_process_groups_timeout_is_waited_for(tm
     assert [m["round"] for m in metrics(tmp_path / "run")] == [1, 2, 3, 4]
 
 
+@pytest.mark.slow
 def test_a_silent_worker_ends_the_run_in_one_line(tmp_path, monkeypatch, capsys):
     """A worker whose process stops (SIGSTOP: its connections stay open, as where its
     machine or the network is gone) is not heard from: rank 0 ends the run after
@@ -267,6 +269,7 @@ def _silent_rank_0(port: int, rank: int) -> None:
     os._exit(0)
 
 
+@pytest.mark.slow
 def test_a_worker_whose_rank_0_falls_silent_ends(monkeypatch, capfd):
     """Rank 0 stopped (its machine gone, with the store it hosts): a worker waiting for its
     packet gives up after :data:`distributed.SILENCE_S` seconds and leaves the group,
@@ -303,6 +306,7 @@ def test_a_worker_stopped_in_round_3_stops_the_run_and_it_resumes_to_the_same_by
     assert (run / "metrics.jsonl").read_bytes() == uninterrupted
 
 
+@pytest.mark.slow
 def test_a_stop_requested_while_a_worker_sends_its_answer_stops_the_run_as_interrupted(tmp_path, monkeypatch, capsys, uninterrupted):
     """A stop request that lands on a worker while its answer waits for rank 0 to take
     it (rank 0 still training its own share) neither cuts that message after its size

@@ -80,6 +80,7 @@ def rows(path: Path) -> list[dict]:
     return [json.loads(x) for x in (path / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_supernodes_that_do_not_fit_the_run_are_reported_once_and_left_out(tmp_path, capsys):
     """Client 0 has a SuperNode; the one meant for client 1 has no run directory, and the
     one meant for client 2 says partition-id=7 (of a 3-client run). Each unfit node says
@@ -113,6 +114,7 @@ def test_supernodes_that_do_not_fit_the_run_are_reported_once_and_left_out(tmp_p
     assert rows(tmp_path / "two") == []
 
 
+@pytest.mark.slow
 def test_every_round_needs_min_replies_whatever_keeps_the_clients_from_replying(tmp_path, capsys):
     """A round without any SuperNode stops the run (min_replies=1); min_replies=0 accepts
     it, says so, and leaves the global model as it was. A client whose training fails

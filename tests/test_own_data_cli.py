@@ -152,6 +152,7 @@ def test_a_killed_run_on_the_users_folders_and_encoder_resumes_exactly(tmp_path,
     assert main(["eval-repr", str(run), "--protocol", "knn"]) == 0
 
 
+@pytest.mark.slow
 def test_a_sweep_over_the_users_arrays(tmp_path, sources):
     spec = tmp_path / "s.yaml"
     base = dict(s.split("=", 1) for s in [*COMMON, *sources["arrays"][:-1]])

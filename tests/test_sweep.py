@@ -191,6 +191,7 @@ def test_parallel_workers_give_the_results_of_one_worker(tmp_path):
         assert "(cores [0])" in (tmp_path / "two" / "logs" / "algorithm-fedavg-seed0.log").read_text()
 
 
+@pytest.mark.slow
 def test_a_sweep_over_dp_reports_the_epsilon_each_cell_spent(tmp_path):
     """A grid over dp: the table gets an epsilon column, the last round's epsilon of the
     cell's runs (inf for clipping without noise, - without dp); other tables have none."""
