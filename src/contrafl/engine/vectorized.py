@@ -277,17 +277,13 @@ class VectorizedExecutor:
         S = max(steps) if steps else 0
         # every step's rows and augmentation parameters, filled where the plans are (on
         # the CPU) and moved to the device in one copy each, not one per client
-        rows = torch.zeros(K, S, B, dtype=torch.long)
-        augs = [{k: torch.zeros((K, S, B) + v.shape[1:], dtype=v.dtype) for k, v in view.items()} for view in jobs[0].plans[p].aug]
-        for i, job in enumerate(jobs):
-            plan = job.plans[p]
-            at = _batch_positions(plan, B)
-            rows[i, : plan.steps] = plan.order[at]
-            for view, dst in zip(plan.aug, augs):
-                for k, v in view.items():
-                    dst[k][i, : plan.steps] = v[at]
-        rows = rows.to(w.x.device)
-        augs = [{k: v.to(w.x.device) for k, v in view.items()} for view in augs]
+        plans = [j.plans[p] for j in jobs]
+        at, taken = _batch_positions(plans, S, B)
+        rows = _gathered([plan.order for plan in plans], at, taken).to(w.x.device)
+        augs = [
+            {k: _gathered([plan.aug[v][k] for plan in plans], at, taken).to(w.x.device) for k in view}
+            for v, view in enumerate(plans[0].aug)
+        ]
 
         # the batch and noise of the current step, at fixed addresses: a step reads only
         # these and the stacked state, so that it can be replayed as a CUDA graph
@@ -603,13 +599,30 @@ def _step_groups(
     return out
 
 
-def _batch_positions(plan: ClientPlan, width: int) -> torch.Tensor:
-    """``[steps, width]`` positions in ``plan.order`` of each step's batch, the batch
-    in its first ``size`` columns (the rest repeat its last sample; never read)."""
-    offsets = torch.tensor(plan.offsets[:-1], dtype=torch.long)
-    sizes = torch.tensor(plan.sizes, dtype=torch.long)
+def _batch_positions(plans: list[ClientPlan], steps: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[clients, steps, width]`` positions of each step's batch in the concatenation of
+    the ``plans``' orders, the batch in its first ``size`` columns (the rest repeat its
+    last sample; never read), and ``[clients, steps]``: which of the steps the client
+    takes (the others' positions are 0)."""
+    offsets, sizes, base = [], [], 0
+    for plan in plans:
+        pad = steps - plan.steps
+        offsets.append([base + o for o in plan.offsets[:-1]] + [0] * pad)
+        sizes.append(plan.sizes + [1] * pad)
+        base += plan.offsets[-1]
     col = torch.arange(width)
-    return offsets[:, None] + torch.minimum(col[None, :], (sizes - 1).clamp(min=0)[:, None])
+    sizes_t = torch.tensor(sizes, dtype=torch.long).reshape(len(plans), steps)
+    at = torch.tensor(offsets, dtype=torch.long).reshape(len(plans), steps)[..., None] + torch.minimum(col, sizes_t[..., None] - 1)
+    taken = torch.arange(steps) < torch.tensor([plan.steps for plan in plans])[:, None]
+    return at, taken
+
+
+def _gathered(parts: list[torch.Tensor], at: torch.Tensor, taken: torch.Tensor) -> torch.Tensor:
+    """The rows ``at`` of the concatenated ``parts`` (``[clients, steps, width, ...]``),
+    zero in the steps not ``taken``: one gather for all clients."""
+    out = torch.cat(parts)[at]
+    out[~taken] = 0
+    return out
 
 
 def _phase_signature(phase: PhaseRun) -> tuple:
