@@ -612,7 +612,7 @@ def _batch_positions(plans: list[ClientPlan], steps: int, width: int) -> tuple[t
         base += plan.offsets[-1]
     col = torch.arange(width)
     sizes_t = torch.tensor(sizes, dtype=torch.long).reshape(len(plans), steps)
-    at = torch.tensor(offsets, dtype=torch.long).reshape(len(plans), steps)[..., None] + torch.minimum(col, sizes_t[..., None] - 1)
+    at = torch.tensor(offsets, dtype=torch.long).reshape(len(plans), steps)[..., None] + torch.minimum(col, (sizes_t[..., None] - 1).clamp(min=0))
     taken = torch.arange(steps) < torch.tensor([plan.steps for plan in plans])[:, None]
     return at, taken
 
