@@ -4,15 +4,35 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
 
 from contrafl.config import load_config
+from contrafl.cores import cores_each, cpu_cores
 from contrafl.engine.setup import prepare
 from contrafl.engine.simulation import Simulation
 
 FAST = ["rounds=2", "local_epochs=1", "num_clients=4", "eval_personal=false"]
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # pytest-xdist's workers (`-n auto` in pyproject.toml's addopts) share the cores: each
+    # gets its share of torch threads, and so do the processes its tests start
+    # (OMP_NUM_THREADS), whose OpenMP threads sleep when idle rather than spin: spinning
+    # threads of two workers on the same cores made some tests 5x slower.
+    os.environ["OMP_NUM_THREADS"] = str(cores_each(int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
+def pytest_xdist_auto_num_workers(config) -> int:
+    """``-n auto``: a worker per core this process may use (xdist counts the machine's,
+    which in a container can be far more than it is given)."""
+    return cpu_cores()
 
 
 def simulate(*overrides: str, run_dir=None) -> Simulation:
@@ -28,17 +48,19 @@ def run_sim():
 
 
 @pytest.fixture
-def worker_dir(tmp_path, monkeypatch):
+def worker_dir(monkeypatch):
     """The folder of the SuperNode workers that ClientApps in this test start
-    (``CONTRAFL_WORKER_DIR``); every worker still listening there is stopped after the
-    test."""
-    folder = tmp_path / "workers"
+    (``CONTRAFL_WORKER_DIR``; a short one in the temporary directory, as a Unix socket's
+    path is at most 107 bytes and pytest's ``tmp_path`` may be longer); every worker still
+    listening there is stopped after the test."""
+    folder = Path(tempfile.mkdtemp(prefix="cw-"))
     monkeypatch.setenv("CONTRAFL_WORKER_DIR", str(folder))
     yield folder
     from contrafl.flower import worker
 
     for sock in folder.glob("*.sock"):
         worker.stop(sock)
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture

@@ -272,9 +272,9 @@ def test_fedx_agrees_across_executors():
         work = Workload.single(x, y, tf, FunctionalNet(model), algo.stages(0), SGD(0.05, 0.9, 1e-4))
         run = SequentialExecutor(work) if executor == "sequential" else VectorizedExecutor(work, 2**30)
         results.append(run.train(jobs))
-    for a, b in zip(*results):
+    for a, b in zip(*results):  # float32 sums in other orders: up to 2.5e-5 apart with one torch thread
         for k in a.params["model"]:
-            torch.testing.assert_close(b.params["model"][k], a.params["model"][k], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(b.params["model"][k], a.params["model"][k], rtol=0, atol=1e-4)
         for k in a.buffers["model"]:
             torch.testing.assert_close(b.buffers["model"][k].float(), a.buffers["model"][k].float(), rtol=1e-5, atol=1e-5)
         for k in ("loss", "nt_local", "nt_global", "js_local", "js_global"):

@@ -139,6 +139,20 @@ def test_a_worker_reports_what_does_not_fit_in_one_line_and_worker_false_answers
     assert len(list(worker_dir.glob("*.sock"))) == 3  # worker=false started none
 
 
+def test_a_worker_folder_too_long_for_a_socket_is_a_one_line_error(tmp_path, monkeypatch, capsys):
+    """CONTRAFL_WORKER_DIR whose sockets' paths would pass the 107 bytes of a Unix
+    socket: the node says so in one line, naming the folder, the length and the fix
+    (flwr reported ``OSError: AF_UNIX path too long``), and is not used."""
+    long = tmp_path / ("w" * 90)
+    monkeypatch.setenv("CONTRAFL_WORKER_DIR", str(long))
+    with pytest.raises(Exception, match="0 of 3 clients have a SuperNode that can serve them"):
+        run_on(tmp_path / "run", {11: {"partition-id": 0}}, min_replies=1)
+    problem = (f"the SuperNode's worker sockets would be in '{long}', whose socket paths are {len(str(long)) + 30} bytes long, "
+               "more than the 107 a Unix socket allows; set CONTRAFL_WORKER_DIR to a shorter folder")
+    assert f"SuperNode 11 (partition-id=0) is not used: {problem}\n" in capsys.readouterr().out
+    assert not long.exists()
+
+
 def test_a_bad_worker_value_is_a_one_line_error(tmp_path):
     nodes = {11: {"partition-id": 0, "worker": "maybe"}}
     with pytest.raises(Exception, match="node config worker='maybe' is not true or false"):

@@ -60,9 +60,21 @@ class WorkerError(RuntimeError):
     its code raised); Flower sends it to the server as the ClientApp's exception."""
 
 
+SOCKET_PATH_MAX = 107
+"""The longest path of a Unix socket (``sun_path``'s 108 bytes with the final NUL)."""
+
+
 def worker_dir() -> Path:
-    """The folder of the workers' sockets (made, open to its owner only)."""
+    """The folder of the workers' sockets (made, open to its owner only). Raises
+    :class:`ContraflError` when a socket's path there would be too long."""
     folder = Path(os.environ.get("CONTRAFL_WORKER_DIR") or Path(tempfile.gettempdir()) / f"contrafl-workers-{os.getuid()}")
+    longest = len(os.fsencode(folder)) + len("/.sock") + 24
+    if longest > SOCKET_PATH_MAX:
+        source = "CONTRAFL_WORKER_DIR" if os.environ.get("CONTRAFL_WORKER_DIR") else "the temporary directory (TMPDIR)"
+        raise ContraflError(
+            f"the SuperNode's worker sockets would be in {str(folder)!r}, whose socket paths are {longest} bytes long, "
+            f"more than the {SOCKET_PATH_MAX} a Unix socket allows; set {source} to a shorter folder"
+        )
     folder.mkdir(mode=0o700, parents=True, exist_ok=True)
     return folder
 
