@@ -24,9 +24,10 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     # gets its share of torch threads, and so do the processes its tests start
     # (OMP_NUM_THREADS), whose OpenMP threads sleep when idle rather than spin: spinning
     # threads of two workers on the same cores made some tests 5x slower.
-    os.environ["OMP_NUM_THREADS"] = str(cores_each(int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
+    _threads = cores_each(int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    os.environ["OMP_NUM_THREADS"] = str(_threads)
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    torch.set_num_threads(_threads)
 
 
 def pytest_xdist_auto_num_workers(config) -> int:

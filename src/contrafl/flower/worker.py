@@ -62,15 +62,18 @@ class WorkerError(RuntimeError):
 
 SOCKET_PATH_MAX = 107
 """The longest path of a Unix socket (``sun_path``'s 108 bytes with the final NUL)."""
+KEY_CHARS = 24
+"""Hexadecimal digits of a worker's key in its socket's name (:func:`address`)."""
 
 
 def worker_dir() -> Path:
     """The folder of the workers' sockets (made, open to its owner only). Raises
     :class:`ContraflError` when a socket's path there would be too long."""
-    folder = Path(os.environ.get("CONTRAFL_WORKER_DIR") or Path(tempfile.gettempdir()) / f"contrafl-workers-{os.getuid()}")
-    longest = len(os.fsencode(folder)) + len("/.sock") + 24
+    configured = os.environ.get("CONTRAFL_WORKER_DIR")
+    folder = Path(configured or Path(tempfile.gettempdir()) / f"contrafl-workers-{os.getuid()}")
+    longest = len(os.fsencode(folder)) + len("/.sock") + KEY_CHARS
     if longest > SOCKET_PATH_MAX:
-        source = "CONTRAFL_WORKER_DIR" if os.environ.get("CONTRAFL_WORKER_DIR") else "the temporary directory (TMPDIR)"
+        source = "CONTRAFL_WORKER_DIR" if configured else "the temporary directory (TMPDIR)"
         raise ContraflError(
             f"the SuperNode's worker sockets would be in {str(folder)!r}, whose socket paths are {longest} bytes long, "
             f"more than the {SOCKET_PATH_MAX} a Unix socket allows; set {source} to a shorter folder"
@@ -85,7 +88,7 @@ def address(settings: NodeSettings, owner: int) -> Path:
     run = Path(settings.run_dir)
     files = [(s.st_size, s.st_mtime_ns) for s in ((run / name).stat() for name in ("config.yaml", "partition.json") if (run / name).is_file())]
     key = json.dumps([settings.as_dict(), owner, files, sys.executable], sort_keys=True)
-    return worker_dir() / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.sock"
+    return worker_dir() / f"{hashlib.sha256(key.encode()).hexdigest()[:KEY_CHARS]}.sock"
 
 
 def start(settings: NodeSettings) -> Path:
