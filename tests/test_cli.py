@@ -1,5 +1,6 @@
 """The command line: user errors are one line with exit status 2, never a traceback."""
 
+import io
 import json
 import subprocess
 import sys
@@ -7,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from contrafl.cli import main
+from contrafl.cli import main, whole_lines
 
 SUBSET = Path(__file__).resolve().parents[2] / "shared" / "data" / "cifar-10-batches-py"
 
@@ -47,6 +48,37 @@ def test_user_errors_from_the_command_lines_process(args, fragment, tmp_path):
 def assert_one_error_line(err: str, fragment: str) -> None:
     lines = err.strip().splitlines()
     assert "Traceback" not in err and len(lines) == 1 and lines[0].startswith("contrafl: error: ") and fragment in lines[0], err
+
+
+class _Writes(io.RawIOBase):
+    """A raw stream that keeps every write it is given."""
+
+    def __init__(self) -> None:
+        self.writes: list[bytes] = []
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b) -> int:
+        self.writes.append(bytes(b))
+        return len(b)
+
+
+def test_an_error_line_is_written_in_one_piece_under_pythonunbuffered():
+    """With PYTHONUNBUFFERED=1 stderr writes through and print() writes a line's text and
+    its newline apart: two torchrun ranks printing the same error ran their lines into one
+    ("...without torchruncontrafl: error: ..."). The CLI's stderr writes a line at once."""
+    raw = _Writes()
+    unbuffered = io.TextIOWrapper(raw, encoding="utf-8", write_through=True)
+    print("contrafl: error: one", file=unbuffered)
+    assert raw.writes == [b"contrafl: error: one", b"\n"]  # what the ranks interleaved
+
+    raw = _Writes()
+    stream = io.TextIOWrapper(raw, encoding="utf-8", write_through=True)
+    whole_lines(stream)
+    print("contrafl: error: one", file=stream)
+    print("contrafl: error: two", file=stream)
+    assert raw.writes == [b"contrafl: error: one\n", b"contrafl: error: two\n"]
 
 
 def test_subset_needs_explicit_acceptance(tmp_path):

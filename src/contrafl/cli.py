@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import io
 import os
 import sys
 import textwrap
@@ -999,7 +1000,18 @@ def command_parser(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> a
     return parser
 
 
+def whole_lines(stream: object) -> None:
+    """Make ``stream`` write each line in one piece. With ``PYTHONUNBUFFERED=1`` (``-u``)
+    Python's text streams write through, and ``print`` writes a line's text and its newline
+    in two writes, so the lines of processes that share a terminal or a log (the ranks of
+    a torchrun job, each printing the same error) run into each other. Line buffering
+    writes a line, newline included, at once, and still as soon as it ends."""
+    if isinstance(stream, io.TextIOWrapper) and stream.write_through and isinstance(stream.buffer, io.RawIOBase):
+        stream.reconfigure(write_through=False, line_buffering=True)
+
+
 def main(argv: list[str] | None = None) -> int:
+    whole_lines(sys.stderr)
     parser = build_parser()
     ns = parse_args(parser, argv)
     try:
