@@ -152,6 +152,21 @@ def test_rank_executor_is_chosen_by_device_and_algorithm():
         choose_rank_executor(wanted, "distributed", unstackable, torch.device("cpu"))
 
 
+def test_ranks_beyond_a_rounds_clients_are_a_warning():
+    """``workers`` above the clients a round trains starts ranks that never get a client:
+    valid, and said, with how many to use."""
+    def idle_warnings(*overrides: str) -> list[str]:
+        setup = prepare(load_config(None, ["executor=distributed", "num_clients=4", "sample_fraction=0.5", *overrides]))
+        return [w for w in setup.warnings if "ranks" in w]
+
+    assert idle_warnings("workers=3") == [
+        "workers=3 starts 3 ranks, and a round trains 2 clients: 1 rank is given no client and only waits; "
+        "use at most 2 ranks (workers unset: the cores, and no more than a round's clients)"
+    ]
+    assert idle_warnings("workers=2") == []
+    assert idle_warnings("workers=3", "sample_fraction=1") == []
+
+
 @pytest.mark.slow
 def test_killed_in_the_middle_of_a_round_resumes_to_the_same_bytes(tmp_path):
     """Rank 0 killed (SIGKILL) after some replies of round 4: its forked workers die with

@@ -34,6 +34,7 @@ from ..models.custom import from_user, vectorizable
 from ..models.registry import model_spec as lookup_model, split_options
 from ..models.base import FedModel
 from ..rng import derive_seed
+from ..words import count
 from .distributed import can_fork, launched
 from .sampling import clients_per_round
 from .privacy import MODES, DPParams
@@ -620,6 +621,15 @@ def setup_warnings(requested: Config, cfg: Config, algo_cls: type[Algorithm], pa
         )
     if not algo_cls.samples_clients and requested.sample_fraction < 1:
         out.append(f"{algo_cls.name} trains every client every round; sample_fraction is ignored")
+    per_round = clients_per_round(cfg.num_clients, cfg.sample_fraction)
+    if cfg.executor == "distributed" and cfg.workers > per_round:
+        started = "torchrun started" if launched() is not None else f"workers={cfg.workers} starts"
+        idle = cfg.workers - per_round
+        out.append(
+            f"{started} {cfg.workers} ranks, and a round trains {count(per_round, 'client')}: {count(idle, 'rank')} "
+            f"{'is' if idle == 1 else 'are'} given no client and only {'waits' if idle == 1 else 'wait'}; "
+            f"use at most {count(per_round, 'rank')} (workers unset: the cores, and no more than a round's clients)"
+        )
     if cfg.drop_last:
         small = [cid for cid, rows in enumerate(partition.train) if 0 < len(rows) < cfg.batch_size]
         if small:
