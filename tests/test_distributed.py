@@ -398,6 +398,42 @@ def test_a_rank_that_loses_rank_0_under_torchrun_ends_in_one_line(monkeypatch, c
     assert serve_rank(None) is None
 
 
+@pytest.mark.parametrize("ending", [
+    "stop",  # Ctrl-C reaches every rank of a launcher at once, and rank 0 may end first
+    "user error",
+    "bug",
+])
+def test_a_worker_whose_stop_or_error_finds_rank_0_gone_ends_with_its_own(monkeypatch, ending):
+    """A worker tells rank 0 why it ends (its stop, a user error, a bug's traceback).
+    Where rank 0 is gone by then, the worker ends with its own reason, not with
+    `rank 0 is gone`: a Ctrl-C on a torchrun job printed that error on rank 1 after
+    rank 0's `interrupted by SIGINT`."""
+    from types import SimpleNamespace
+
+    from contrafl.engine.signals import Interrupted
+
+    raised = {"stop": Interrupted(signal.SIGINT), "user error": ConfigError("lr=-1 is invalid"), "bug": ValueError("boom")}[ending]
+    told = []
+
+    def send(obj, peer):
+        if told:  # the identity went through; rank 0 is gone before the last word
+            raise distributed.RankLost(0, "Connection closed by peer [127.0.0.1]:29500")
+        told.append(obj)
+
+    def answer(sim, store, packet):
+        raise raised
+
+    monkeypatch.setattr(distributed, "send", send)
+    monkeypatch.setattr(distributed, "receive", lambda *args, **kwargs: {"t": 0})
+    monkeypatch.setattr(distributed, "identity", lambda setup: "rank 1")
+    monkeypatch.setattr(distributed, "_answer", answer)
+    monkeypatch.setattr(distributed, "_leave", lambda: None)
+    sim = SimpleNamespace(setup=None, device=torch.device("cpu"), store=SimpleNamespace(close=lambda: None))
+    with pytest.raises(type(raised)) as ended:
+        distributed.serve(sim, None)
+    assert ended.value is raised
+
+
 def processes_naming(text: str) -> list[int]:
     """The processes whose command line holds ``text`` (Linux's /proc)."""
     found = []

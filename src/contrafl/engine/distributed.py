@@ -705,19 +705,30 @@ def serve(sim: Simulation, store: dist.Store) -> None:
                 raise
             except ContraflError as exc:  # a user error: rank 0 raises it as it is
                 if answer_due:
-                    send(exc, 0)
+                    _tell_rank_0(exc, exc)
             except KeyboardInterrupt as exc:  # a stop request: rank 0 stops the run, and this rank ends
                 if answer_due:
-                    send(exc, 0)
+                    _tell_rank_0(exc, exc)
                 raise
             except BaseException as exc:  # reported to rank 0, which raises it
                 if answer_due:
-                    send(f"a worker failed with {one_line(exc)}\n{traceback.format_exc()}", 0)
+                    _tell_rank_0(f"a worker failed with {one_line(exc)}\n{traceback.format_exc()}", exc)
                 else:
                     raise
     finally:
         sim.store.close()
         _leave()
+
+
+def _tell_rank_0(answer: Any, exc: BaseException) -> None:
+    """Send rank 0 ``answer``, this worker's last word on ``exc`` (its error or its
+    stop). Where rank 0 is gone (a Ctrl-C reaches every rank of a launcher at once, and
+    rank 0 may end first), ``exc`` is raised here, for this rank to end with it: a stopped
+    rank ends as stopped, a failed one with its own error, not as having lost rank 0."""
+    try:
+        send(answer, 0)
+    except WorkerError:
+        raise exc from None
 
 
 def _answer(sim: Simulation, store: dist.Store, packet: dict[str, Any]) -> tuple[list[tuple[ClientOutcome, Any]], list[torch.Tensor]]:
