@@ -167,6 +167,18 @@ def test_ranks_beyond_a_rounds_clients_are_a_warning():
     assert idle_warnings("workers=3", "sample_fraction=1") == []
 
 
+def test_rank_executor_without_the_distributed_executor_is_a_warning():
+    def warnings(*overrides: str) -> list[str]:
+        return [w for w in prepare(load_config(None, list(overrides))).warnings if "rank_executor" in w]
+
+    assert warnings("executor=sequential", "rank_executor=vectorized") == [
+        "rank_executor=vectorized has no effect with executor=sequential: it says how each rank of "
+        "executor=distributed trains its share of a round's clients"
+    ]
+    assert warnings("executor=distributed", "workers=2", "rank_executor=sequential") == []
+    assert warnings("executor=sequential") == []
+
+
 @pytest.mark.slow
 def test_killed_in_the_middle_of_a_round_resumes_to_the_same_bytes(tmp_path):
     """Rank 0 killed (SIGKILL) after some replies of round 4: its forked workers die with

@@ -621,6 +621,11 @@ def setup_warnings(requested: Config, cfg: Config, algo_cls: type[Algorithm], pa
         )
     if not algo_cls.samples_clients and requested.sample_fraction < 1:
         out.append(f"{algo_cls.name} trains every client every round; sample_fraction is ignored")
+    if requested.rank_executor != "auto" and cfg.executor != "distributed":
+        out.append(
+            f"rank_executor={requested.rank_executor} has no effect with executor={cfg.executor}: it says how each "
+            "rank of executor=distributed trains its share of a round's clients"
+        )
     per_round = clients_per_round(cfg.num_clients, cfg.sample_fraction)
     if cfg.executor == "distributed" and cfg.workers > per_round:
         started = "torchrun started" if launched() is not None else f"workers={cfg.workers} starts"
