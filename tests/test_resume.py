@@ -253,6 +253,28 @@ def test_sigterm_records_interrupted_and_resumes(tmp_path):
     assert (run / "metrics.jsonl").read_bytes() == clean
 
 
+def test_a_resume_on_another_executor_chooses_its_workers_and_rank_executor_anew(tmp_path, capsys):
+    """config.yaml keeps the workers and rank_executor chosen for the run's executor
+    (workers=1 for the sequential one); resumed with another executor, they are chosen
+    for that one unless given: a sequential run resumed with executor=distributed ran on
+    one rank, and a distributed one resumed sequentially warned of its rank_executor."""
+    from contrafl.config import load_config
+    from contrafl.cores import cpu_cores
+
+    run = tmp_path / "run"
+    assert main(["run", "--quiet", "--out", str(run), *SETTINGS, "rounds=1", "executor=sequential"]) == 0
+    assert main(["run", "--quiet", "--resume", str(run), "rounds=2", "executor=distributed"]) == 0
+    cfg = load_config(run / "config.yaml")
+    assert (cfg.executor, cfg.workers, cfg.rank_executor) == ("distributed", min(cpu_cores(), CLIENTS), "sequential")
+    capsys.readouterr()
+    assert main(["run", "--quiet", "--resume", str(run), "rounds=3", "executor=sequential"]) == 0
+    assert capsys.readouterr().err == ""
+    cfg = load_config(run / "config.yaml")
+    assert (cfg.executor, cfg.workers, cfg.rank_executor) == ("sequential", 1, "auto")
+    assert main(["run", "--quiet", "--resume", str(run), "rounds=4", "executor=distributed", "workers=1"]) == 0
+    assert load_config(run / "config.yaml").workers == 1
+
+
 def test_resume_refuses_settings_that_change_results(tmp_path, capsys):
     run = tmp_path / "run"
     assert main(["run", "--quiet", "--out", str(run), *SETTINGS, "rounds=2"]) == 0

@@ -181,12 +181,15 @@ def resume_run(ns: argparse.Namespace) -> int:
             "--resume continues a run with the config.yaml of its run directory; give no CONFIG or --out, "
             f"only overrides of where it runs ({', '.join(EXECUTION_SETTINGS)})"
         )
-    for key, value in parse_overrides(overrides):
+    given = dict(parse_overrides(overrides))
+    for key, value in given.items():
         if key not in EXECUTION_SETTINGS and key != "rounds":
             raise ContraflError(
                 f"{key}={value} would change what the resumed run computes; a resumed run takes only "
                 f"{', '.join(EXECUTION_SETTINGS)}, and rounds=N to extend it (start a new run to change {key})"
             )
+    if "executor" in given:  # the run's workers and rank_executor were chosen for the executor it had
+        overrides = [*(f"{key}=auto" for key in ("workers", "rank_executor") if key not in given), *overrides]
     launched = distributed.launched()
     run_dir = RunDir(Path(ns.resume), resume=True, lock=launched is None or launched[0] == 0)  # the others only read it
     cfg = load_config(run_dir.path / "config.yaml", overrides)
