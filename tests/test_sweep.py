@@ -189,6 +189,9 @@ def test_parallel_workers_give_the_results_of_one_worker(tmp_path):
     assert logs == ["algorithm-fedavg-seed0.log", "algorithm-fedavg-seed0.yaml", "algorithm-fedprox-seed0.log", "algorithm-fedprox-seed0.yaml"]
     if hasattr(os, "sched_getaffinity") and len(os.sched_getaffinity(0)) >= 2:
         assert "(cores [0])" in (tmp_path / "two" / "logs" / "algorithm-fedavg-seed0.log").read_text()
+    for log in (tmp_path / "two" / "logs").glob("*.log"):  # each run chooses its executor settings on its cores
+        assert "warning" not in log.read_text(), log.read_text()
+        assert "rank_executor: auto" in log.with_suffix(".yaml").read_text()
 
 
 @pytest.mark.slow

@@ -419,9 +419,9 @@ def _write(path: Path, text: str) -> None:
 
 
 def _execution(requested: Config) -> dict[str, Any]:
-    """The executor and workers a run asked for (``auto`` is left for its process to
-    resolve on its share of the cores)."""
-    return {"executor": requested.executor, "workers": requested.workers}
+    """The executor, workers and rank executor a run asked for (``auto`` is left for its
+    process to resolve on its share of the cores)."""
+    return {"executor": requested.executor, "workers": requested.workers, "rank_executor": requested.rank_executor}
 
 
 def _start(cell: Cell, execution: dict[str, Any], out: Path, slot: int, share: int, cores: int, gpu: str | None = None) -> _Job:
