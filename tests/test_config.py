@@ -68,3 +68,29 @@ def test_missing_and_invalid_files(tmp_path):
 def test_auto_keyword():
     cfg = load_config(None, ["rounds=auto", "augment=auto", "server_momentum=auto"])
     assert cfg.rounds is None and cfg.augment == "auto" and cfg.server_momentum is None
+
+
+def test_the_vectorized_executors_settings_elsewhere_are_warnings():
+    """vectorize_memory_gb, pad_finished_clients and cuda_graphs are read by the vectorized
+    executor only: set where clients are trained one at a time (or cuda_graphs on the
+    CPU), each is a warning naming why, and left at its default it is not."""
+    from contrafl.engine.setup import prepare
+
+    def warnings(*overrides: str) -> list[str]:
+        setup = prepare(load_config(None, ["num_clients=4", "rounds=1", *overrides]))
+        return [w for w in setup.warnings if "has no effect with executor" in w or "cuda_graphs" in w]
+
+    assert warnings("executor=sequential", "pad_finished_clients=true", "vectorize_memory_gb=1") == [
+        "vectorize_memory_gb=1.0 has no effect with executor=sequential: only the vectorized executor reads it "
+        "(executor=vectorized, or rank_executor=vectorized with executor=distributed)",
+        "pad_finished_clients=true has no effect with executor=sequential: only the vectorized executor reads it "
+        "(executor=vectorized, or rank_executor=vectorized with executor=distributed)",
+    ]
+    assert warnings("executor=distributed", "workers=2", "cuda_graphs=false")[0].startswith(
+        "cuda_graphs=false has no effect with executor=distributed rank_executor=sequential:")
+    assert warnings("executor=vectorized", "cuda_graphs=false") == [
+        "cuda_graphs=false has no effect on device=cpu: CUDA graphs are for device=cuda"
+    ]
+    assert warnings("executor=vectorized", "pad_finished_clients=true", "vectorize_memory_gb=1") == []
+    assert warnings("executor=distributed", "workers=2", "rank_executor=vectorized", "pad_finished_clients=true") == []
+    assert warnings("executor=sequential") == []

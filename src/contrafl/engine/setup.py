@@ -626,6 +626,7 @@ def setup_warnings(requested: Config, cfg: Config, algo_cls: type[Algorithm], pa
             f"rank_executor={requested.rank_executor} has no effect with executor={cfg.executor}: it says how each "
             "rank of executor=distributed trains its share of a round's clients"
         )
+    out += _inapplicable_execution(requested, cfg)
     per_round = clients_per_round(cfg.num_clients, cfg.sample_fraction)
     if cfg.executor == "distributed" and cfg.workers > per_round:
         started = "torchrun started" if launched() is not None else f"workers={cfg.workers} starts"
@@ -645,6 +646,31 @@ def setup_warnings(requested: Config, cfg: Config, algo_cls: type[Algorithm], pa
                 "lower batch_size, use fewer clients or set drop_last=false"
             )
     return out
+
+
+VECTORIZED_SETTINGS = ("vectorize_memory_gb", "pad_finished_clients", "cuda_graphs")
+"""Settings that only the vectorized executor reads."""
+
+
+def _inapplicable_execution(requested: Config, cfg: Config) -> list[str]:
+    """The vectorized executor's settings given a value other than the default where
+    clients are not trained stacked, and ``cuda_graphs`` off the GPU."""
+    stacked = (cfg.rank_executor if cfg.executor == "distributed" else cfg.executor) == "vectorized"
+    default = Config()
+    changed = {
+        k: str(v).lower() if isinstance(v, bool) else str(v)  # as a config writes it
+        for k in VECTORIZED_SETTINGS if (v := getattr(requested, k)) != getattr(default, k)
+    }
+    if not stacked:
+        how = f"executor={cfg.executor}" + (f" rank_executor={cfg.rank_executor}" if cfg.executor == "distributed" else "")
+        return [
+            f"{k}={value} has no effect with {how}: only the vectorized executor reads it "
+            "(executor=vectorized, or rank_executor=vectorized with executor=distributed)"
+            for k, value in changed.items()
+        ]
+    if "cuda_graphs" in changed and cfg.device != "cuda":
+        return [f"cuda_graphs={changed['cuda_graphs']} has no effect on device={cfg.device}: CUDA graphs are for device=cuda"]
+    return []
 
 
 def init_model(cfg: Config, data: FederatedDataset, algo_cls: type[Algorithm], algo_params, seed: int) -> FedModel:
