@@ -621,21 +621,7 @@ def setup_warnings(requested: Config, cfg: Config, algo_cls: type[Algorithm], pa
         )
     if not algo_cls.samples_clients and requested.sample_fraction < 1:
         out.append(f"{algo_cls.name} trains every client every round; sample_fraction is ignored")
-    if requested.rank_executor != "auto" and cfg.executor != "distributed":
-        out.append(
-            f"rank_executor={requested.rank_executor} has no effect with executor={cfg.executor}: it says how each "
-            "rank of executor=distributed trains its share of a round's clients"
-        )
-    out += _inapplicable_execution(requested, cfg)
-    per_round = clients_per_round(cfg.num_clients, cfg.sample_fraction)
-    if cfg.executor == "distributed" and cfg.workers > per_round:
-        started = "torchrun started" if launched() is not None else f"workers={cfg.workers} starts"
-        idle = cfg.workers - per_round
-        out.append(
-            f"{started} {cfg.workers} ranks, and a round trains {count(per_round, 'client')}: {count(idle, 'rank')} "
-            f"{'is' if idle == 1 else 'are'} given no client and only {'waits' if idle == 1 else 'wait'}; "
-            f"use at most {count(per_round, 'rank')} (workers unset: the cores, and no more than a round's clients)"
-        )
+    out += execution_warnings(requested, cfg)
     if cfg.drop_last:
         small = [cid for cid, rows in enumerate(partition.train) if 0 < len(rows) < cfg.batch_size]
         if small:
@@ -652,25 +638,41 @@ VECTORIZED_SETTINGS = ("vectorize_memory_gb", "pad_finished_clients", "cuda_grap
 """Settings that only the vectorized executor reads."""
 
 
-def _inapplicable_execution(requested: Config, cfg: Config) -> list[str]:
-    """The vectorized executor's settings given a value other than the default where
-    clients are not trained stacked, and ``cuda_graphs`` off the GPU."""
-    stacked = (cfg.rank_executor if cfg.executor == "distributed" else cfg.executor) == "vectorized"
+def execution_warnings(requested: Config, cfg: Config) -> list[str]:
+    """How the run executes, as given (``requested``) and resolved (``cfg``): settings
+    that the chosen executor does not read (``rank_executor`` outside the distributed
+    executor; the vectorized executor's settings where clients are trained one at a time,
+    ``cuda_graphs`` off the GPU), and ranks that a round has no client for."""
+    out = []
+    if requested.rank_executor != "auto" and cfg.executor != "distributed":
+        out.append(
+            f"rank_executor={requested.rank_executor} has no effect with executor={cfg.executor}: it says how each "
+            "rank of executor=distributed trains its share of a round's clients"
+        )
     default = Config()
     changed = {
         k: str(v).lower() if isinstance(v, bool) else str(v)  # as a config writes it
         for k in VECTORIZED_SETTINGS if (v := getattr(requested, k)) != getattr(default, k)
     }
-    if not stacked:
+    if (cfg.rank_executor if cfg.executor == "distributed" else cfg.executor) != "vectorized":
         how = f"executor={cfg.executor}" + (f" rank_executor={cfg.rank_executor}" if cfg.executor == "distributed" else "")
-        return [
+        out += [
             f"{k}={value} has no effect with {how}: only the vectorized executor reads it "
             "(executor=vectorized, or rank_executor=vectorized with executor=distributed)"
             for k, value in changed.items()
         ]
-    if "cuda_graphs" in changed and cfg.device != "cuda":
-        return [f"cuda_graphs={changed['cuda_graphs']} has no effect on device={cfg.device}: CUDA graphs are for device=cuda"]
-    return []
+    elif "cuda_graphs" in changed and cfg.device != "cuda":
+        out.append(f"cuda_graphs={changed['cuda_graphs']} has no effect on device={cfg.device}: CUDA graphs are for device=cuda")
+    per_round = clients_per_round(cfg.num_clients, cfg.sample_fraction)
+    if cfg.executor == "distributed" and cfg.workers > per_round:
+        started = "torchrun started" if launched() is not None else f"workers={cfg.workers} starts"
+        idle = cfg.workers - per_round
+        out.append(
+            f"{started} {cfg.workers} ranks, and a round trains {count(per_round, 'client')}: {count(idle, 'rank')} "
+            f"{'is' if idle == 1 else 'are'} given no client and only {'waits' if idle == 1 else 'wait'}; "
+            f"use at most {count(per_round, 'rank')} (workers unset: the cores, and no more than a round's clients)"
+        )
+    return out
 
 
 def init_model(cfg: Config, data: FederatedDataset, algo_cls: type[Algorithm], algo_params, seed: int) -> FedModel:
