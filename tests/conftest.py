@@ -36,6 +36,11 @@ def pytest_xdist_auto_num_workers(config) -> int:
     return cpu_cores()
 
 
+def setup_warnings(*overrides: str) -> list[str]:
+    """The warnings of a run of ``overrides`` (digits by default), before it trains."""
+    return prepare(load_config(None, list(overrides))).warnings
+
+
 def simulate(*overrides: str, run_dir=None) -> Simulation:
     """Run a small simulation (digits by default) and return it after the run."""
     sim = Simulation(prepare(load_config(None, [*FAST, *overrides])), run_dir, None)

@@ -74,11 +74,11 @@ def test_the_vectorized_executors_settings_elsewhere_are_warnings():
     """vectorize_memory_gb, pad_finished_clients and cuda_graphs are read by the vectorized
     executor only: set where clients are trained one at a time (or cuda_graphs on the
     CPU), each is a warning naming why, and left at its default it is not."""
-    from contrafl.engine.setup import prepare
+    from conftest import setup_warnings
 
     def warnings(*overrides: str) -> list[str]:
-        setup = prepare(load_config(None, ["num_clients=4", "rounds=1", *overrides]))
-        return [w for w in setup.warnings if "has no effect with executor" in w or "cuda_graphs" in w]
+        found = setup_warnings("num_clients=4", "rounds=1", *overrides)
+        return [w for w in found if "has no effect with executor" in w or "cuda_graphs" in w]
 
     assert warnings("executor=sequential", "pad_finished_clients=true", "vectorize_memory_gb=1") == [
         "vectorize_memory_gb=1.0 has no effect with executor=sequential: only the vectorized executor reads it "

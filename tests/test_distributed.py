@@ -32,6 +32,7 @@ from contrafl.engine.partial import restore
 from contrafl.engine.run_dir import RunDir
 from contrafl.engine.setup import prepare
 from contrafl.engine.simulation import Simulation
+from conftest import setup_warnings
 from test_resume import _killed_run
 
 # MOON keeps every client's previous model: a state that must follow the client to the
@@ -156,8 +157,7 @@ def test_ranks_beyond_a_rounds_clients_are_a_warning():
     """``workers`` above the clients a round trains starts ranks that never get a client:
     valid, and said, with how many to use."""
     def idle_warnings(*overrides: str) -> list[str]:
-        setup = prepare(load_config(None, ["executor=distributed", "num_clients=4", "sample_fraction=0.5", *overrides]))
-        return [w for w in setup.warnings if "ranks" in w]
+        return [w for w in setup_warnings("executor=distributed", "num_clients=4", "sample_fraction=0.5", *overrides) if "ranks" in w]
 
     assert idle_warnings("workers=3") == [
         "workers=3 starts 3 ranks, and a round trains 2 clients: 1 rank is given no client and only waits; "
@@ -169,7 +169,7 @@ def test_ranks_beyond_a_rounds_clients_are_a_warning():
 
 def test_rank_executor_without_the_distributed_executor_is_a_warning():
     def warnings(*overrides: str) -> list[str]:
-        return [w for w in prepare(load_config(None, list(overrides))).warnings if "rank_executor" in w]
+        return [w for w in setup_warnings(*overrides) if "rank_executor" in w]
 
     assert warnings("executor=sequential", "rank_executor=vectorized") == [
         "rank_executor=vectorized has no effect with executor=sequential: it says how each rank of "
