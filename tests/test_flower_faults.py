@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 import tomllib
@@ -25,7 +27,8 @@ from contrafl.engine.run_dir import RunDir, read_summary  # noqa: E402
 from contrafl.engine.setup import prepare  # noqa: E402
 from contrafl.engine.simulation import ClientOutcome, Simulation  # noqa: E402
 from contrafl.flower.deploy import APP_DIR, prepare_run, run_config, shared_cores  # noqa: E402
-from contrafl.flower.launch import CONNECTION, FlowerLaunchError, LocalDeployment, _descendants  # noqa: E402
+from contrafl.flower.launch import CONNECTION, FlowerLaunchError, LocalDeployment  # noqa: E402
+from contrafl.flower.lifetime import marked, program  # noqa: E402
 from conftest import torch_threads  # noqa: E402
 from flower_faulty_app.faultyapp.client_app import corrupt  # noqa: E402
 
@@ -118,10 +121,14 @@ def test_a_client_killed_in_a_round_is_lost_and_rejoins_with_its_state(tmp_path)
     other two once ``round_timeout`` (15 s; the other two answer within 2-5 s, a
     loaded machine's too) has passed, or once the SuperLink reports the node unavailable
     (it misses its heartbeats), whichever comes first (``min_replies=2``);
-    metrics.jsonl records client 2 as lost with that reason, and the restarted SuperNode
-    trains rounds 3 and 4 from the state its client kept on disk (MOON's previous local model): the global model is
-    that of a replay in which client 2 kept its state and skipped round 2."""
-    settings = ["algorithm=moon", *COMMON, "rounds=4"]
+    metrics.jsonl records client 2 as lost with that reason. Client 2 is then offline:
+    later rounds leave it out at once, without waiting for it (the rounds after the
+    first take 2-3 s), until its SuperNode, restarted once round 2 is recorded, comes
+    online; the server finds it and asks whom it serves while a round waits for its
+    replies, and from the next round on the restarted SuperNode trains its client from
+    the state it kept on disk (MOON's previous local model). The global model is that
+    of a replay in which client 2 kept its state and skipped the rounds it missed."""
+    settings = ["algorithm=moon", *COMMON, "rounds=6"]
     run = tmp_path / "flower-run"
     prepare_run(load_config(None, settings), run)
     with LocalDeployment(tmp_path / "flower", CLIENTS, supernode_poll=0.2) as deployment:
@@ -134,19 +141,26 @@ def test_a_client_killed_in_a_round_is_lost_and_rejoins_with_its_state(tmp_path)
         thread.join()
     assert not isinstance(outcome[0], Exception), outcome[0]
     rows = metrics(run)
-    assert [[lost["client"] for lost in row.get("lost", [])] for row in rows] == [[], [2], [], []]
+    missed = [t for t, row in enumerate(rows) if row.get("lost")]
+    assert [[lost["client"] for lost in rows[t]["lost"]] for t in missed] == [[2]] * len(missed)
+    assert missed == list(range(1, 1 + len(missed))) and len(missed) <= 3, missed  # rounds 2.., back by round 5
     reason = rows[1]["lost"][0]["reason"]  # whichever comes first: the round's timeout or Flower's verdict on the node
     assert "no reply within 15s" in reason or reason.startswith("error 5: Error: Node Unavailable"), reason
-    assert sorted((run / "flower-clients" / "client-2").iterdir())[-1].name == "round-4.pt"
-    sim = replay(tmp_path / "replay", settings, absent={1: {2}})
+    for t in missed[1:]:
+        assert rows[t]["lost"][0]["reason"] == f"offline: {reason} in round 2; left out until its SuperNode is back", rows[t]
+    assert [s["seconds"] < 15 for s in map(json.loads, (run / "timing.jsonl").read_text().splitlines())][2:] == [True] * 4
+    log = outcome[0].log_path.read_text()
+    assert log.count("client 2 lost:") == 1 and "client 2 is back (SuperNode" in log, log
+    assert sorted((run / "flower-clients" / "client-2").iterdir())[-1].name == "round-6.pt"
+    sim = replay(tmp_path / "replay", settings, absent={t: {2} for t in missed})
     assert [r["test_acc"] for r in sim.history] == [r["test_acc"] for r in rows]
     for k, v in final_model(tmp_path / "replay").items():
         assert torch.equal(v, final_model(run)[k]), k
 
 
-def kill_superlink(run: Path) -> None:
+def kill_superlink(run: Path) -> int:
     """SIGKILL the SuperLink of `contrafl deploy`'s deployment of ``run`` (the one on the
-    port of its flwr config) and everything it started (SuperExec, ServerApp)."""
+    port of its flwr config), and nothing else; its pid."""
     port = tomllib.loads((run / "flower" / "flwr_home" / "config.toml").read_text())["superlink"][CONNECTION]["address"].rsplit(":", 1)[1]
     for entry in Path("/proc").glob("[0-9]*"):
         try:
@@ -155,17 +169,17 @@ def kill_superlink(run: Path) -> None:
             continue
         if any(a.endswith(b"flower-superlink") for a in argv) and b"--port" in argv and argv[argv.index(b"--port") + 1] == port.encode():
             pid = int(entry.name)
-            for child, _ in _descendants(pid):
-                os.kill(child, signal.SIGKILL)
             os.kill(pid, signal.SIGKILL)
-            return
+            return pid
     raise AssertionError(f"no SuperLink on port {port}")
 
 
-def test_a_server_killed_and_restarted_resumes_from_its_last_checkpoint(tmp_path):
-    """`contrafl deploy`'s SuperLink (and the ServerApp with it) is killed once round 2 is
-    recorded, while round 3 may be under way: contrafl deploy stops the deployment (a
-    machine restart) and records the run as failed, with the reason and how to resume.
+def test_a_server_killed_and_restarted_resumes_from_its_last_checkpoint(tmp_path, capsys):
+    """`contrafl deploy`'s SuperLink alone is killed once round 2 is recorded, while round
+    3 may be under way: contrafl deploy stops the deployment, leaves no process of it
+    behind (the ServerApp and SuperExec the SuperLink started included, which once kept
+    the run directory locked), and says in one line, as summary.json does, what died,
+    after which round, and how to resume.
     `contrafl deploy --resume` on a new SuperLink and new SuperNodes continues the run
     directory from its last checkpoint, keeps the first run's logs and ends with the
     simulator's metrics and model. (tests/test_flower_client.py checks that clients which
@@ -173,18 +187,29 @@ def test_a_server_killed_and_restarted_resumes_from_its_last_checkpoint(tmp_path
     settings = ["algorithm=moon", *COMMON, "rounds=3"]
     run = tmp_path / "flower-run"
     exit_status: list[int] = []
-    thread = threading.Thread(target=lambda: exit_status.append(main(["deploy", "--round-timeout", "120", "--out", str(run), *settings])))
+    thread = threading.Thread(target=lambda: exit_status.append(main(["deploy", "--tls", "--round-timeout", "120", "--out", str(run), *settings])))
     thread.start()
     wait_for_rows(run, 2, thread, checkpointed=True)
-    kill_superlink(run)
+    pid = kill_superlink(run)
     thread.join()
     assert exit_status == [2]
+    assert not marked(f"{(run / 'flower').resolve()}|"), "a process of the deployment outlived it"
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["status"] == "failed" and summary["error"].startswith("the Flower deployment stopped before the run ended (FlowerLaunchError: flwr run ")
-    assert summary["error"].endswith(f"; continue from its last checkpoint with `contrafl deploy --resume {run}`")
+    done = len(metrics(run))
+    why = f"the SuperLink (pid {pid}) was killed by SIGKILL after round {done} of 3; continue from its last checkpoint with `contrafl deploy --resume {run}`"
+    assert summary["status"] == "failed" and summary["error"] == why
+    err = capsys.readouterr().err
+    assert err == f"contrafl: error: {why}\n", err
     assert summary["checkpointed_rounds"] >= 2 and (run / "checkpoint.pt").is_file()
     first_log = (run / "flower" / "logs" / "run-1.log").read_text()
-    assert main(["deploy", "--resume", str(run), "--round-timeout", "120"]) == 0
+    assert main(["deploy", "--resume", str(run), "--insecure"]) == 2  # TLS is the run's: not dropped without a word
+    assert "the run was deployed with TLS, which --insecure would drop" in capsys.readouterr().err
+    assert main(["deploy", "--resume", str(run)]) == 0  # the recorded round timeout and TLS
+    out = capsys.readouterr().out
+    assert "on a local Flower deployment of 3 SuperNodes (TLS)" in out and out.rstrip().splitlines()[-1].startswith("done: 3 rounds in ")
+    starts = [line for line in (run / "flower" / "logs" / "superlink.log").read_text().splitlines() if line.startswith("=== ")]
+    assert len(starts) == 2 and all("--ssl-certfile" in line and "--insecure" not in line for line in starts), starts
+    assert json.loads((run / "summary.json").read_text())["executor"] == "flower"
     assert (run / "flower" / "logs" / "run-1.log").read_text() == first_log and "round 3/3" in (run / "flower" / "logs" / "run-2.log").read_text()
     sim = tmp_path / "sim"
     with torch_threads(shared_cores(CLIENTS)[0]["threads"]):  # each client's threads in the deployment
@@ -192,3 +217,32 @@ def test_a_server_killed_and_restarted_resumes_from_its_last_checkpoint(tmp_path
     assert metrics(run) == metrics(sim)
     for k, v in final_model(sim).items():
         assert torch.equal(v, final_model(run)[k]), k
+
+
+def test_contrafl_deploy_killed_takes_its_whole_deployment_with_it(tmp_path):
+    """`contrafl deploy` SIGKILLed once round 1 is recorded: its SuperLink and SuperNodes
+    die with it (parent-death signals), the ServerApp with its SuperLink, after it
+    recorded the run as failed (it would otherwise wait for the SuperLink forever,
+    holding the run directory), the runners and workers with their SuperNodes. No
+    process of the deployment is left (checked by its mark), and `contrafl deploy
+    --resume` finishes the run."""
+    run = tmp_path / "flower-run"
+    settings = ["algorithm=fedavg", *COMMON, "rounds=3"]
+    deploy = subprocess.Popen([sys.executable, "-m", "contrafl", "deploy", "--out", str(run), *settings],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while not ((run / "metrics.jsonl").is_file() and metrics(run)):
+        assert deploy.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    mark = f"{(run / 'flower').resolve()}|"
+    assert {program(argv) for argv in marked(mark).values()} >= {"flower-superlink", "flwr-serverapp", "contrafl.flower.runner"}
+    deploy.kill()
+    deploy.wait()
+    deadline = time.monotonic() + 30
+    while marked(mark):
+        assert time.monotonic() < deadline, sorted(map(program, marked(mark).values()))
+        time.sleep(0.1)
+    summary = read_summary(run)
+    assert summary["status"] == "failed" and "SuperLinkGone: the SuperLink stopped or died" in summary["error"], summary
+    assert main(["deploy", "--resume", str(run)]) == 0
+    assert read_summary(run)["status"] == "completed" and len(metrics(run)) == 3

@@ -110,14 +110,14 @@ def test_the_three_sites_walkthrough_as_written(tmp_path, monkeypatch, capsys):
 
     started = {}
 
-    def deployment(cfg, path, **options):  # what contrafl deploy starts, recorded instead
-        started.update(cfg=cfg, path=path, **options)
+    def deployment(cfg, path, settings, **options):  # what contrafl deploy starts, recorded instead
+        started.update(cfg=cfg, path=path, settings=settings)
         return SimpleNamespace(run_id=1, status="finished:completed", seconds=0.0)
 
     monkeypatch.setattr("contrafl.flower.deploy.deploy", deployment)
     assert main(deploy) == 0
-    assert started["tls"] and started["cfg"].node_data == "own" and started["cfg"].data_dir is None
-    assert started["node_data"] == [f"sites/clients/{s}" for s in ("site-a", "site-b", "site-c")]
+    assert started["settings"].tls and started["cfg"].node_data == "own" and started["cfg"].data_dir is None
+    assert started["settings"].node_data == tuple(f"sites/clients/{s}" for s in ("site-a", "site-b", "site-c"))
     assert load_config(tmp_path / "runs" / "sites" / "config.yaml").dataset.options["classes"] == classes
 
     assert main(prepare_only + ["--out", str(tmp_path / "runs" / "sites-remote")]) == 0

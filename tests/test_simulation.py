@@ -1,6 +1,7 @@
 """End-to-end behaviour of the round loop and the run directory."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -68,9 +69,24 @@ def test_a_run_directory_is_written_by_one_process_at_a_time(tmp_path):
     (tmp_path / "r" / "config.yaml").write_text("{}\n")
     code = "from contrafl.engine.run_dir import RunDir; RunDir(%r, resume=True)" % str(tmp_path / "r")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert proc.returncode != 0 and "is in use by another contrafl process" in proc.stderr
+    assert proc.returncode != 0 and f"is in use by another contrafl process (pid {os.getpid()}, " in proc.stderr  # names its holder
     del first  # the lock goes with the object (and with the process, however it ends)
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_a_lock_whose_holder_was_killed_is_taken_over_with_a_line(tmp_path):
+    """The OS releases the lock of a killed process; the next one says whose it took."""
+    import subprocess
+    import sys
+
+    RunDir(tmp_path / "r").close()
+    (tmp_path / "r" / "config.yaml").write_text("{}\n")
+    assert RunDir(tmp_path / "r", resume=True).taken_over is None  # closed cleanly
+    code = "import os; from contrafl.engine.run_dir import RunDir; d = RunDir(%r, resume=True); os.kill(os.getpid(), 9)" % str(tmp_path / "r")
+    killed = subprocess.Popen([sys.executable, "-c", code])
+    assert killed.wait() == -9
+    taken = RunDir(tmp_path / "r", resume=True)
+    assert taken.taken_over == f"took over the run directory's lock from python (pid {killed.pid}), which ended without releasing it"
 
 
 def test_existing_run_dir_is_not_overwritten(tmp_path):

@@ -13,6 +13,7 @@ import argparse
 import contextlib
 import dataclasses
 import io
+import json
 import os
 import sys
 import textwrap
@@ -215,6 +216,8 @@ def resume_run(ns: argparse.Namespace) -> int:
     setup = prepare(cfg)
     if (served := serve_rank(setup)) is not None:
         return served
+    if run_dir.taken_over:
+        _warn([run_dir.taken_over])
     sim = resume(setup, run_dir, None if ns.quiet else Progress(setup.config.rounds, sys.stdout))
     sim.estimated_time_s = None if extending else summary.get("estimated_time_s")  # made before round 1
     if not ns.quiet:
@@ -322,56 +325,64 @@ def cmd_deploy(ns: argparse.Namespace) -> int:
     """``contrafl deploy [CONFIG] KEY=VALUE...``: the run on a local Flower deployment.
     Every input is checked (and the run directory written) before anything is printed."""
     try:
-        from .flower.deploy import check_hosts, check_node_data, check_settings, commands, deploy, prepare_run, recorded_node_data
+        from .flower.deploy import Settings, check_hosts, check_node_data, check_settings, commands, deploy, prepare_run
     except ImportError as exc:
         raise ContraflError(str(exc)) from None
-    from .engine.run_dir import default_run_dir
+    from .engine.run_dir import default_run_dir, read_summary
 
     if ns.server_host and not ns.prepare_only:
         raise ConfigError("--server-host is for --prepare-only (a deployment of your own); contrafl deploy's own SuperLink is 127.0.0.1")
+    if ns.supernode_poll is not None and not ns.supernode_poll > 0:
+        raise ConfigError(f"--supernode-poll {ns.supernode_poll:g} must be a positive number of seconds (3 waits as long as Flower's own SuperNode)")
     if ns.resume:
         if ns.args or ns.out or ns.prepare_only:
             raise ConfigError("contrafl deploy --resume RUN_DIR takes no config, KEY=VALUE, --out or --prepare-only: the run keeps its own config.yaml")
+        if ns.node_data:
+            raise ConfigError("--resume takes no --node-data: the run keeps the --node-data paths it was started with")
         path = Path(ns.resume)
         if not (path / "config.yaml").is_file():
             raise ConfigError(f"--resume {path}: no config.yaml there; give the directory of a run started with contrafl deploy")
         cfg = load_config(path / "config.yaml")
+        asked = {"tls": ns.tls, "auth": ns.auth, "secure_aggregation": ns.secure_aggregation, "round_timeout": ns.round_timeout,
+                 "min_replies": ns.min_replies, "supernode_poll": ns.supernode_poll}
+        settings = Settings.read(path).resumed(path, asked, ns.allow_weaker_security)
+        if settings.auth and not settings.tls:
+            if ns.tls is False:
+                raise ConfigError("--auth needs TLS (flwr 1.41 refuses SuperNode authentication with --insecure); drop --insecure")
+            settings = dataclasses.replace(settings, tls=True)
     else:
         config_path, overrides = _split_run_args(ns.args)
         if ns.node_data and not any(o.startswith("node_data=") for o in overrides):
             overrides = [*overrides, "node_data=own"]
         cfg = load_config(config_path, overrides)
         path = check_output(Path(ns.out) if ns.out else default_run_dir(cfg.algorithm.name, cfg.dataset.name), "--out")
-    if ns.min_replies is None:
-        ns.min_replies = min(3, cfg.num_clients) if ns.secure_aggregation else 1
-    check_settings(cfg, ns.round_timeout, ns.min_replies, ns.secure_aggregation)
-    node_data = ns.node_data or ()
-    if ns.resume and node_data:
-        raise ConfigError("--resume takes no --node-data: give the run's --node-data paths again only to a new run")
-    if not ns.supernode_poll > 0:
-        raise ConfigError(f"--supernode-poll {ns.supernode_poll:g} must be a positive number of seconds (3 waits as long as Flower's own SuperNode)")
-    tls, auth = deploy_security(ns)
+        tls, auth = deploy_security(ns)
+        secure = bool(ns.secure_aggregation)
+        settings = Settings(
+            tls=tls, auth=auth, secure_aggregation=secure, min_replies=ns.min_replies if ns.min_replies is not None else min(3, cfg.num_clients) if secure else 1,
+            round_timeout=Settings.round_timeout if ns.round_timeout is None else ns.round_timeout,
+            supernode_poll=Settings.supernode_poll if ns.supernode_poll is None else ns.supernode_poll, node_data=tuple(ns.node_data or ()),
+        )
+    check_settings(cfg, settings.round_timeout, settings.min_replies, settings.secure_aggregation)
     if ns.prepare_only:
-        check_hosts(ns.server_host or (), tls)
-        check_node_data(cfg, node_data, required=False)
+        check_hosts(ns.server_host or (), settings.tls)
+        check_node_data(cfg, settings.node_data, required=False)
         cfg = prepare_run(cfg, path)
-        print(commands(path, cfg, ns.round_timeout, ns.min_replies, server_hosts=ns.server_host or (), tls=tls, auth=auth,
-                       secure_aggregation=ns.secure_aggregation, node_data=node_data))
+        print(commands(path, cfg, settings.round_timeout, settings.min_replies, server_hosts=ns.server_host or (), tls=settings.tls,
+                       auth=settings.auth, secure_aggregation=settings.secure_aggregation, node_data=settings.node_data))
         return 0
-    if ns.resume and cfg.node_data == "own":
-        node_data = recorded_node_data(path)
-    check_node_data(cfg, node_data, required=True)
+    check_node_data(cfg, settings.node_data, required=True)
     if not ns.resume:
         cfg = prepare_run(cfg, path)
+    security = " (TLS, SuperNode authentication)" if settings.auth else " (TLS)" if settings.tls else ""
     print(f"contrafl {__version__}: {cfg.algorithm.name} on a local Flower deployment of {cfg.num_clients} SuperNodes"
-          f"{' (TLS, SuperNode authentication)' if auth else ' (TLS)' if tls else ''}{', secure aggregation' if ns.secure_aggregation else ''}; "
+          f"{security}{', secure aggregation' if settings.secure_aggregation else ''}; "
           f"run directory: {path}, Flower logs: {path / 'flower' / 'logs'}")
-    result = deploy(
-        cfg, path, prepared=True, tls=tls, auth=auth, round_timeout=ns.round_timeout, min_replies=ns.min_replies,
-        secure_aggregation=ns.secure_aggregation,
-        supernode_poll=ns.supernode_poll, echo=sys.stdout, node_data=node_data,
-    )
-    print(f"Flower run {result.run_id} ended in {result.seconds:.1f}s")
+    deploy(cfg, path, settings, prepared=True, echo=sys.stdout)
+    summary = read_summary(path)
+    if summary.get("status") == "completed":  # the same last line as contrafl run's
+        history = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines() if line.strip()]
+        print(format_summary(summary, history))
     return 0
 
 
@@ -739,22 +750,30 @@ def build_parser() -> argparse.ArgumentParser:
                            "needs TLS; the default with --prepare-only")
     auth.add_argument("--no-auth", dest="auth", action="store_false",
                       help="any SuperNode that reaches the SuperLink may join (the default on this machine)")
-    dep.add_argument("--secure-aggregation", action="store_true",
-                     help="train through Flower's SecAgg+: the server sees only the sample-weighted mean of the clients' "
-                          "updates (up to the protocol's quantisation); algorithms whose server needs single updates refuse it")
-    dep.add_argument("--round-timeout", type=float, default=600.0, metavar="S",
-                     help="seconds a round waits for replies before the missing clients count as lost (default 600)")
+    secagg = dep.add_mutually_exclusive_group()
+    secagg.add_argument("--secure-aggregation", action="store_true", default=None,
+                        help="train through Flower's SecAgg+: the server sees only the sample-weighted mean of the clients' "
+                             "updates (up to the protocol's quantisation); algorithms whose server needs single updates refuse it")
+    secagg.add_argument("--no-secure-aggregation", dest="secure_aggregation", action="store_false",
+                        help="no secure aggregation (the default; with --resume of a run that had it, only with --allow-weaker-security)")
+    dep.add_argument("--round-timeout", type=float, default=None, metavar="S",
+                     help="seconds a round waits for replies before the missing clients count as lost (default 600; "
+                          "--resume: the run's own)")
     dep.add_argument("--min-replies", type=int, default=None, metavar="N",
                      help="the fewest replies a round needs after the timeout; fewer stop the run, resumable "
-                          "(default 1; 3 with --secure-aggregation, the fewest a secure sum takes)")
-    dep.add_argument("--supernode-poll", type=float, default=0.2, metavar="S",
+                          "(default 1; 3 with --secure-aggregation, the fewest a secure sum takes; --resume: the run's own)")
+    dep.add_argument("--supernode-poll", type=float, default=None, metavar="S",
                      help="the SuperNodes' longest wait between their pulls of messages, in seconds (default 0.2; "
                           "Flower's own SuperNode waits 3 s, a second and a half per message on average)")
     dep.add_argument("--node-data", action="append", metavar="PATH",
                      help="a client's own data (repeat once per client, in client order; sets node_data=own): each SuperNode "
                           "holds only its own, the server none (docs/flower.md, \"Three sites, three folders\")")
     dep.add_argument("--resume", metavar="RUN_DIR",
-                     help="continue a deployed run from its last checkpoint (after its server or the machine stopped)")
+                     help="continue a deployed run from its last checkpoint (after its server or the machine stopped), with the "
+                          "settings it was deployed with (flower/deployment.json): TLS, authentication, secure aggregation, "
+                          "the SuperNodes' data and timeouts; options given override them, but none may drop a security setting")
+    dep.add_argument("--allow-weaker-security", action="store_true",
+                     help="with --resume: let --insecure, --no-auth or --no-secure-aggregation drop what the run was deployed with")
     dep.add_argument("--prepare-only", action="store_true",
                      help="write the run directory and print the commands to run it on your own SuperLink and SuperNodes (several machines)")
     dep.add_argument("--server-host", action="append", metavar="HOST",

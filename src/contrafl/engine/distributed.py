@@ -330,6 +330,8 @@ class DistributedTransport:
     (:class:`~contrafl.engine.simulation.Transport`); evaluates in this process, which
     holds every client's state."""
 
+    runtime = "distributed"
+
     def __init__(self, sim: Simulation, world: int, store: dist.Store | None = None, rank_threads: int | None = None) -> None:
         self.sim = sim
         self.world = world

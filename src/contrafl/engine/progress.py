@@ -72,6 +72,7 @@ class Progress:
         self.start = self.round_start = self.noted = self.drawn = clock()
         self.done = 0  # rounds done by this process
         self.before = 0  # rounds done before a resume
+        self.lost: set[int] = set()  # the clients the last round lost (reported already)
 
     def resume_at(self, rounds_done: int) -> None:
         """The run continues after ``rounds_done`` rounds done earlier."""
@@ -90,15 +91,23 @@ class Progress:
 
     def eta_within(self, work: RoundWork) -> float | None:
         """Seconds left in the run, from the current round's pace: the round ends when
-        its remaining steps (clients, when its steps are not known) take as long as its
-        done ones did, and each later round takes as long as the rounds done by this
-        process did on average, or as this one, before any. None before any work."""
+        its remaining steps take as long as its done ones did, and each later round
+        takes as long as the rounds done by this process did on average, or as this
+        one, before any. Where its steps are not known (its clients train elsewhere, at
+        the same time), the round takes as long as the rounds before it: a client done
+        early says nothing of the others. None before any work, and before any round
+        for clients that train elsewhere."""
         elapsed = self.now() - self.round_start
-        done, total = (work.all_steps_done(), work.steps) if work.steps else (work.clients_done, work.clients)
+        per_round = (self.round_start - self.start) / self.done if self.done else None
+        if not work.steps:
+            if per_round is None or not work.clients_done:
+                return None
+            return max(per_round - elapsed, 0.0) + (self.rounds - self.before - self.done - 1) * per_round
+        done, total = work.all_steps_done(), work.steps
         if not done:
             return None
         this_round = elapsed * total / done
-        per_round = (self.round_start - self.start) / self.done if self.done else this_round
+        per_round = per_round if per_round is not None else this_round
         later = self.rounds - self.before - self.done - 1
         return max(this_round - elapsed, 0.0) + later * per_round
 
@@ -134,10 +143,13 @@ class Progress:
             f"{self.prefix}round {row['round']:>{len(str(self.rounds))}}/{self.rounds}",
             f"|{self._bar((self.before + self.done) / self.rounds)}|",
         ]
+        sampled, missing = len(row.get("clients", [])), len(row.get("lost", [])) + len(row.get("rejected", []))
+        if missing and sampled:
+            parts.append(f"trained {sampled - missing}/{sampled}")
         if row.get("train_loss") is not None:
             parts.append(f"loss {row['train_loss']:.4f}")
         if row.get("test_acc") is not None:
-            parts.append(f"acc {row['test_acc']:.4f}")
+            parts.append(f"acc {row['test_acc']:.4f}" + (f" ({row['test_clients']} clients)" if "test_clients" in row else ""))
         if row.get("knn_acc") is not None:
             parts.append(f"kNN {row['knn_acc']:.4f}")
         if row.get("personal_acc") is not None:
@@ -150,8 +162,10 @@ class Progress:
             who = f"client {item['client']}'s" if "client" in item else "an"
             self.stream.write(f"{self.prefix}  {who} update rejected: {item['reason']}\n")
         by_reason: dict[str, list[int | None]] = {}
-        for item in row.get("lost", []):
-            by_reason.setdefault(item["reason"], []).append(item.get("client"))
+        for item in row.get("lost", []):  # a client lost round after round is reported once, then counted
+            if item.get("client") not in self.lost or item.get("client") is None:
+                by_reason.setdefault(item["reason"], []).append(item.get("client"))
+        self.lost = {item["client"] for item in row.get("lost", []) if "client" in item}
         for reason, cids in by_reason.items():  # one line per reason (client_dropout loses many)
             if None in cids:
                 who = "a client" if len(cids) == 1 else f"{len(cids)} clients"

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -61,22 +63,48 @@ def read_summary(path: Path) -> dict[str, Any]:
         return {}
 
 
-def _lock(path: Path) -> Any:
-    """An open file holding an exclusive lock on ``path`` (none where the OS has no flock)."""
+def _lock(path: Path) -> tuple[Any, str]:
+    """An open file holding an exclusive lock on ``path`` (None where the OS has no
+    flock), which names its holder (``pid program``) until :meth:`RunDir.close` empties
+    it; and the holder it named before, if any: a process that ended without closing
+    the run (killed), whose lock the OS released."""
     try:
         import fcntl
     except ImportError:  # not on POSIX: no protection against a second process
-        return None
-    handle = open(path, "w")
+        return None, ""
+    handle = open(path, "a+")  # not "w": the holder's name stays until the lock is ours
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().split()
         handle.close()
+        who = f" (pid {holder[0]}, {' '.join(holder[1:])})" if len(holder) > 1 else ""
         raise ConfigError(
-            f"run directory {path.parent} is in use by another contrafl process; "
+            f"run directory {path.parent} is in use by another contrafl process{who}; "
             "wait for it to finish or stop it, then resume"
         ) from None
-    return handle
+    handle.seek(0)
+    before = handle.read().strip()
+    if before and _running(before.split()[0]):  # this process (a run dir it dropped unclosed), or the pid reused
+        before = ""
+    handle.seek(0)
+    handle.truncate()
+    program = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] not in ("", "-c") else "python"
+    handle.write(f"{os.getpid()} {program}\n")
+    handle.flush()
+    return handle, before
+
+
+def _running(pid: str) -> bool:
+    """Whether the process ``pid`` (a number as text) exists."""
+    try:
+        os.kill(int(pid), 0)
+    except (ValueError, ProcessLookupError, OverflowError):
+        return False
+    except PermissionError:
+        pass
+    return True
 
 
 class RunDir:
@@ -107,11 +135,16 @@ class RunDir:
             raise ConfigError(
                 f"cannot make the run directory {self.path} ({exc.strerror or type(exc).__name__}); choose an --out you can write"
             ) from None
-        self._lock = _lock(self.path / LOCK) if lock else None
+        self._lock, before = _lock(self.path / LOCK) if lock else (None, "")
+        pid, _, program = before.partition(" ")
+        self.taken_over = f"took over the run directory's lock from {program or 'a process'} (pid {pid}), which ended without releasing it" if before else None
+        """Set when the lock's last holder ended without closing the run (it was killed):
+        a line that says so."""
 
     def close(self) -> None:
         """Release the directory's lock (the run is over)."""
         if self._lock is not None:
+            self._lock.truncate(0)
             self._lock.close()
             self._lock = None
 

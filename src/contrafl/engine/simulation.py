@@ -159,6 +159,10 @@ class Transport(Protocol):
     :class:`Simulation` trains and evaluates its clients itself
     (:meth:`Simulation.train_locally`, :meth:`Simulation.evaluate_locally`)."""
 
+    runtime: str
+    """What runs the clients, named as the run's ``executor`` in ``summary.json``
+    (``flower``); a transport without it keeps the configured executor's name."""
+
     def train(
         self, t: int, cids: list[int], message_for: Callable[[int], dict[str, Any]], phases: list[Phase]
     ) -> Iterable[ClientOutcome]:
@@ -955,7 +959,7 @@ class Simulation:
                 "partial": sum(1 for r in self.history for c in r.get("stragglers", []) if c["done"]),
             }
         summary["bytes_total"] = self.comm_total
-        summary["executor"] = self.executor_name
+        summary["executor"] = getattr(self.transport, "runtime", self.executor_name)
         summary["device"] = str(self.device)
         summary["fingerprint"] = self.fingerprint
         summary["wall_time_s"] = round(seconds, 3)

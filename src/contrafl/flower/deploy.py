@@ -10,13 +10,15 @@ a prepared run directory on a deployment of one's own (several machines).
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import json
 import shlex
 from collections.abc import Sequence
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 import torch
 
@@ -26,9 +28,9 @@ from ..cores import cores_each, cpu_cores
 from ..engine.run_dir import RunDir, read_summary
 from ..engine.sampling import clients_per_round
 from ..engine.setup import prepare
-from ..errors import ConfigError, one_line
+from ..errors import ConfigError, ContraflError
 from ..files import write_atomic
-from .launch import FlowerLaunchError, LocalDeployment, RunResult, toml_document, toml_string
+from .launch import DeploymentDied, FlowerLaunchError, LocalDeployment, RunResult, toml_document, toml_string
 from .supernode import POLL_S
 from .auth import make_node_keys
 from .tls import alt_name, make_certificates
@@ -126,86 +128,170 @@ def check_node_data(cfg: Config, node_data: Sequence[str], required: bool) -> No
             raise ConfigError(f"--node-data {where} (client {k}) does not exist; give the path of that client's data")
 
 
-NODE_DATA = "node-data.json"
-"""The file in a local deployment's ``flower/`` folder listing its SuperNodes' own data."""
+SETTINGS = "deployment.json"
+"""The file in a run directory's ``flower/`` folder that records its deployment's settings."""
 
 
-def recorded_node_data(path: Path) -> list[str]:
-    """The SuperNodes' own data of the local deployment in ``path`` (:func:`deploy`)."""
-    file = Path(path) / "flower" / NODE_DATA
-    try:
+@dataclass(frozen=True)
+class Settings:
+    """The settings of a run's deployment, recorded when it starts
+    (``flower/deployment.json``) and kept by ``contrafl deploy --resume``: its security
+    (TLS, SuperNode authentication, secure aggregation), each SuperNode's own data
+    (``node_data=own``, this machine's paths) and its timeouts. DP is the run's config."""
+
+    tls: bool = False
+    auth: bool = False
+    secure_aggregation: bool = False
+    round_timeout: float = 600.0
+    min_replies: int = 1
+    wait_nodes: float = 120.0
+    supernode_poll: float = POLL_S
+    node_data: tuple[str, ...] = ()
+
+    SECURITY = {"tls": ("TLS", "--insecure"), "auth": ("SuperNode authentication", "--no-auth"),
+                "secure_aggregation": ("secure aggregation", "--no-secure-aggregation")}
+    """Each security setting: its name, and the option that drops it."""
+
+    def write(self, path: Path) -> None:
+        """Record the settings in the run directory ``path``."""
+        folder = Path(path) / "flower"
+        folder.mkdir(parents=True, exist_ok=True)
+        text = json.dumps({**dataclasses.asdict(self), "node_data": list(self.node_data)}, indent=2).encode()
+        write_atomic(folder / SETTINGS, lambda f: f.write(text))
+
+    @classmethod
+    def read(cls, path: Path) -> Settings:
+        """The settings recorded in the run directory ``path``. A run deployed before
+        they were recorded: TLS and authentication where it has certificates and keys,
+        its SuperNodes' data from ``flower/node-data.json``."""
+        folder = Path(path) / "flower"
+        file = folder / SETTINGS
+        if not file.exists():
+            legacy = folder / "node-data.json"
+            return cls(tls=(folder / "certs").is_dir(), auth=(folder / "keys").is_dir(),
+                       node_data=tuple(_paths(legacy)) if legacy.exists() else ())
+        fields = {f.name: f.type for f in dataclasses.fields(cls)}
+        try:
+            data = json.loads(file.read_text())
+            if not isinstance(data, dict) or set(data) - set(fields):
+                raise ValueError(f"keys other than {', '.join(fields)}")
+            data["node_data"] = tuple(_paths(file, data.get("node_data", [])))
+            settings = cls(**data)
+            for name in ("tls", "auth", "secure_aggregation"):
+                if not isinstance(getattr(settings, name), bool):
+                    raise ValueError(f"{name} is not true or false")
+        except (OSError, ValueError, TypeError) as exc:
+            raise ConfigError(f"--resume {path}: {file} is not a deployment's settings ({exc}); resume with the settings given again, after removing it") from None
+        return settings
+
+    def resumed(self, path: Path, asked: dict[str, Any], weaker_allowed: bool) -> Settings:
+        """The settings of a resume of the run ``path`` deployed with these: ``asked``
+        (the options given, None where not) over the recorded ones. Dropping a security
+        setting is refused (:class:`ConfigError`, one line naming it) unless
+        ``weaker_allowed``."""
+        for name, (what, option) in self.SECURITY.items():
+            if getattr(self, name) and asked.get(name) is False and not weaker_allowed:
+                raise ConfigError(
+                    f"--resume {path}: the run was deployed with {what}, which {option} would drop; "
+                    f"leave {option} out to keep it, or add --allow-weaker-security to resume without it"
+                )
+        return dataclasses.replace(self, **{k: v for k, v in asked.items() if v is not None})
+
+
+def _paths(file: Path, paths: Any = None) -> list[str]:
+    """A list of paths: ``paths``, or the JSON in ``file``; ValueError otherwise."""
+    if paths is None:
         paths = json.loads(file.read_text())
-    except (OSError, ValueError):
-        raise ConfigError(f"--resume {path}: {file} does not list its SuperNodes' data; start the run again with --node-data") from None
     if not isinstance(paths, list) or not all(isinstance(p, str) for p in paths):
-        raise ConfigError(f"--resume {path}: {file} is not a list of paths; start the run again with --node-data")
+        raise ConfigError(f"{file} does not list the SuperNodes' data as paths; start the run again with --node-data")
     return paths
 
 
 def deploy(
-    cfg: Config, path: Path, *, prepared: bool = False, tls: bool = False, auth: bool = False, round_timeout: float = 600.0,
-    min_replies: int = 1, secure_aggregation: bool = False, supernode_poll: float = POLL_S, timeout: float | None = None,
-    echo: TextIO | None = None, node_data: Sequence[str] = (),
+    cfg: Config, path: Path, settings: Settings, *, prepared: bool = False, timeout: float | None = None,
+    echo: TextIO | None = None,
 ) -> RunResult:
-    """Run ``cfg`` on a SuperLink and ``num_clients`` SuperNodes on this machine, the
-    Flower processes' homes and logs in ``path/flower``; the run directory is ``path``.
-    ``prepared``: the run directory is already written (by :func:`prepare_run`, or by an
-    earlier deployment: the run continues from its last checkpoint), ``cfg`` is its
+    """Run ``cfg`` on a SuperLink and ``num_clients`` SuperNodes on this machine with
+    ``settings`` (recorded in ``path/flower`` for a resume: :class:`Settings`); the run
+    directory is ``path``, the Flower processes' homes and logs are in ``path/flower``.
+    ``prepared``: the run directory is already written (by :func:`prepare_run`, or by
+    an earlier deployment: the run continues from its last checkpoint), ``cfg`` is its
     ``config.yaml``. The server's output (its progress) also goes to ``echo`` when given.
-    The SuperNodes are ``contrafl-supernode`` s that wait at most ``supernode_poll``
-    seconds between their pulls of messages (:mod:`contrafl.flower.supernode`). ``tls``
-    and ``auth``: :class:`~contrafl.flower.launch.LocalDeployment`'s; ``secure_aggregation``:
-    the training rounds run through SecAgg+ (:mod:`contrafl.flower.secagg`); ``node_data``:
-    with ``node_data=own``, each client's own data, in client order (node config ``data``).
 
-    When the deployment ends before the run does (its SuperLink or ServerApp died, or
-    the caller was interrupted), the processes are stopped and ``summary.json`` says so
-    (:func:`record_stop`) instead of ``running``; the checkpoint is kept for a resume."""
-    check_settings(cfg, round_timeout, min_replies, secure_aggregation)
-    check_node_data(cfg, node_data, required=True)
+    The SuperNodes are ``contrafl-supernode`` s that wait at most ``supernode_poll``
+    seconds between their pulls of messages (:mod:`contrafl.flower.supernode`); ``tls``
+    and ``auth``: :class:`~contrafl.flower.launch.LocalDeployment`'s;
+    ``secure_aggregation``: the training rounds run through SecAgg+
+    (:mod:`contrafl.flower.secagg`); ``node_data``: with ``node_data=own``, each client's
+    own data, in client order (node config ``data``).
+
+    Processes that an earlier deployment of ``path`` left running (it was killed) are
+    ended first, with a line on ``echo``. When the deployment ends before the run does,
+    every process is stopped, ``summary.json`` says how the run ended (:func:`record_stop`)
+    and a :class:`ContraflError` says it in one line: what died or what failed, the last
+    round completed and the ``--resume`` command; the checkpoint is kept."""
+    check_settings(cfg, settings.round_timeout, settings.min_replies, settings.secure_aggregation)
+    check_node_data(cfg, settings.node_data, required=True)
     if not prepared:
         cfg = prepare_run(cfg, path)
     node_configs = shared_cores(cfg.num_clients)
-    for config, where in zip(node_configs, node_data):
-        config["data"] = str(Path(where).expanduser().resolve())
-    if node_data:  # for contrafl deploy --resume (this machine's SuperNodes; config.yaml names no data)
-        (Path(path) / "flower").mkdir(parents=True, exist_ok=True)
-        listing = json.dumps([c["data"] for c in node_configs]).encode()
-        write_atomic(Path(path) / "flower" / NODE_DATA, lambda f: f.write(listing))
+    resolved = [str(Path(where).expanduser().resolve()) for where in settings.node_data]
+    for config, where in zip(node_configs, resolved):
+        config["data"] = where
+    settings = dataclasses.replace(settings, node_data=tuple(resolved))
+    settings.write(path)
+    deployment = LocalDeployment(
+        Path(path) / "flower", cfg.num_clients, tls=settings.tls, auth=settings.auth, node_configs=node_configs,
+        supernode_poll=settings.supernode_poll,
+    )
     try:
-        with LocalDeployment(
-            Path(path) / "flower", cfg.num_clients, tls=tls, auth=auth, node_configs=node_configs, supernode_poll=supernode_poll,
-        ) as deployment:
-            rc = run_config(path, round_timeout, min_replies, secure_aggregation=secure_aggregation)
-            return deployment.run(APP_DIR, rc, timeout=timeout, echo=echo)
+        with deployment:
+            if deployment.leftovers and echo is not None:
+                print(f"contrafl: ended what the run's earlier deployment left running: {', '.join(deployment.leftovers)}", file=echo, flush=True)
+            rc = run_config(path, settings.round_timeout, settings.min_replies, settings.wait_nodes, settings.secure_aggregation)
+            result = deployment.run(APP_DIR, rc, timeout=timeout, echo=echo)
     except (FlowerLaunchError, KeyboardInterrupt) as exc:
-        record_stop(path, exc)
-        raise
+        raise record_stop(path, cfg.rounds, exc) from None
+    ended = read_summary(path)
+    if ended.get("status") != "completed":  # the ServerApp ended the run, and said why in summary.json
+        raise ContraflError(ended.get("error") or f"the run ended as {ended.get('status')}; see {path / 'summary.json'}")
+    return result
 
 
-def record_stop(path: Path, exc: BaseException) -> None:
-    """Record in ``summary.json`` that the run in ``path`` stopped because of ``exc``
-    (``interrupted`` for a KeyboardInterrupt, else ``failed``), unless its ServerApp
-    recorded how it ended itself (the summary no longer says ``running``). Call it once
-    the deployment's processes are stopped."""
+def rounds_done(path: Path) -> int:
+    """The rounds the run in ``path`` has completed (its rows in ``metrics.jsonl``)."""
+    try:
+        return sum(1 for line in (Path(path) / "metrics.jsonl").read_text().splitlines() if line.strip())
+    except OSError:
+        return 0
+
+
+def record_stop(path: Path, rounds: int, exc: BaseException) -> BaseException:
+    """Record in ``summary.json`` how the run in ``path`` (of ``rounds`` rounds) ended
+    when its deployment stopped because of ``exc``, once the deployment's processes are
+    stopped; what to raise in its place: ``exc`` for a KeyboardInterrupt (recorded as
+    ``interrupted``), else a :class:`ContraflError` whose one line says what died or
+    failed, the last round completed and how to resume (recorded as ``failed``). A run
+    its ServerApp ended as failed keeps the ServerApp's reason."""
     summary = read_summary(path)
-    if summary.get("status") != "running":
-        return
+    done = rounds_done(path)
+    resume = f"`contrafl deploy --resume {path}`"
     if isinstance(exc, KeyboardInterrupt):
-        status, why = "interrupted", "contrafl deploy was interrupted"
+        status, why = "interrupted", f"contrafl deploy was interrupted after round {done} of {rounds}; continue with {resume}"
+    elif summary.get("status") == "failed" and not isinstance(exc, DeploymentDied) and summary.get("error"):
+        return ContraflError(f"{summary['error']} (round {done + 1} of {rounds}; once that is fixed, continue with {resume})")
     else:
-        status, why = "failed", f"the Flower deployment stopped before the run ended ({one_line(exc)})"
+        what = exc.what if isinstance(exc, DeploymentDied) else f"the Flower deployment stopped ({exc})"
+        status, why = "failed", f"{what} after round {done} of {rounds}; continue from its last checkpoint with {resume}"
     try:
         run_dir = RunDir(Path(path), resume=True)
-    except ConfigError:  # locked: its ServerApp still runs and records how it ends
-        return
+    except ConfigError as locked:
+        return ContraflError(f"{why} ({locked})")
     try:
-        run_dir.write_json("summary.json", {
-            "status": status, "error": f"{why}; continue from its last checkpoint with `contrafl deploy --resume {path}`",
-            **{k: v for k, v in summary.items() if k not in ("status", "error")},
-        })
+        run_dir.write_json("summary.json", {"status": status, "error": why, **{k: v for k, v in summary.items() if k not in ("status", "error")}})
     finally:
         run_dir.close()
+    return exc if isinstance(exc, KeyboardInterrupt) else ContraflError(why)
 
 
 def shared_cores(num_nodes: int) -> list[dict[str, int | str]]:

@@ -47,12 +47,13 @@ import json
 import math
 import os
 import re
+import secrets
 import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -60,6 +61,7 @@ from typing import TYPE_CHECKING, TextIO
 
 from contrafl.cores import cpu_cores
 from contrafl.errors import ConfigError, ContraflError
+from contrafl.flower.lifetime import MARK, alive, descendants, dying_with, end, marked, program
 
 if TYPE_CHECKING:
     from contrafl.flower.auth import NodeKey
@@ -84,6 +86,20 @@ ConfigValue = str | int | float | bool
 
 class FlowerLaunchError(ContraflError):
     """flwr is missing, or a process of the local deployment failed or did not come up."""
+
+
+class DeploymentDied(FlowerLaunchError):
+    """A process that a run cannot do without (the SuperLink, the ServerApp) died while
+    the run was under way; ``what`` says which and how."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__(what)
+        self.what = what
+
+
+#: Seconds that ``flwr run`` may go on after its ServerApp process is gone before the
+#: ServerApp counts as dead (a ServerApp that ends its run exits a moment before).
+SERVERAPP_GRACE_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -156,40 +172,6 @@ def toml_document(values: Mapping[str, ConfigValue]) -> str:
 # --------------------------------------------------------------------------- processes
 
 
-def _proc_stat(pid: int) -> tuple[int, str, int] | None:
-    """``(parent pid, state, start time in clock ticks)`` of a process from ``/proc``, or
-    None when it is gone."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) "
-    return int(fields[1]), fields[0], int(fields[19])
-
-
-def _descendants(pid: int) -> set[tuple[int, int]]:
-    """``(pid, start time)`` of every live descendant of ``pid`` (empty without ``/proc``).
-    The start time tells a process from a later one that reuses its pid."""
-    children: dict[int, list[tuple[int, int]]] = {}
-    for entry in Path("/proc").glob("[0-9]*"):
-        stat = _proc_stat(int(entry.name))
-        if stat is not None and stat[1] != "Z":
-            children.setdefault(stat[0], []).append((int(entry.name), stat[2]))
-    found: set[tuple[int, int]] = set()
-    todo = [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.add(child)
-            todo.append(child[0])
-    return found
-
-
-def _alive(pid: int, start: int) -> bool:
-    """Whether the process ``pid`` that started at ``start`` still runs (zombies do not)."""
-    stat = _proc_stat(pid)
-    return stat is not None and stat[2] == start and stat[1] != "Z"
-
-
 def _signal(pid: int, sig: int, *, group: bool = False) -> None:
     """Send ``sig`` to a process (or its process group); a vanished one is ignored."""
     try:
@@ -256,12 +238,20 @@ class _Process:
             self.log_offset = log.tell()
             self.popen = subprocess.Popen(  # noqa: S603 - argv built from our own paths
                 self.argv, env=self.env, stdout=log, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL, start_new_session=True,
+                stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=dying_with(os.getpid()),
             )
 
     def running(self) -> bool:
-        """Whether the current process (not its descendants) still runs."""
+        """Whether the current process (not its descendants) still runs (a dead one is
+        reaped)."""
         return self.popen is not None and self.popen.poll() is None
+
+    def death(self) -> str:
+        """How the current process ended: ``killed by SIGKILL`` or ``exited with status 1``."""
+        code = self.popen.returncode if self.popen is not None else None
+        if code is not None and code < 0:
+            return f"was killed by {signal.Signals(-code).name}"
+        return f"exited with status {code}"
 
     def log_text(self) -> str:
         """What the current process wrote to its log so far."""
@@ -281,26 +271,26 @@ class _Process:
         if self.popen is None:
             return
         if self.popen.poll() is None:
-            self.family |= _descendants(self.popen.pid)
+            self.family |= descendants(self.popen.pid)
             _signal(self.popen.pid, sig, group=True)
         for pid, start in self.family:
-            if _alive(pid, start):
+            if alive(pid, start):
                 _signal(pid, sig)
 
     def gone(self) -> bool:
         """Whether the process and every descendant seen so far have exited."""
         if self.running():
             return False
-        self.family = {p for p in self.family if _alive(*p)}
+        self.family = {p for p in self.family if alive(*p)}
         return not self.family
 
     def pids(self) -> set[int]:
         """Pids of the process and its live descendants."""
         if self.popen is None:
             return set()
-        live = {pid for pid, start in self.family if _alive(pid, start)}
+        live = {pid for pid, start in self.family if alive(pid, start)}
         if self.running():
-            live |= {self.popen.pid} | {p for p, _ in _descendants(self.popen.pid)}
+            live |= {self.popen.pid} | {p for p, _ in descendants(self.popen.pid)}
         return live
 
 
@@ -355,12 +345,40 @@ def echoed(line: str, terminal: bool) -> str | None:
     return line if terminal else plain
 
 
-def _wait(proc: subprocess.Popen, timeout: float | None, log_path: Path, echo: TextIO | None) -> int:
-    """``proc.wait(timeout)``, copying what ``proc`` writes to ``log_path`` to ``echo`` as
-    it comes, line by line (:func:`echoed`)."""
-    if echo is None:
-        return proc.wait(timeout)
-    terminal = hasattr(echo, "isatty") and echo.isatty()
+class _Box:
+    """flwr's error boxes (``╭─ Error ─╮`` ... ``╰─╯``) in a stream of lines: kept out of
+    the echo, their text kept for the one-line error that takes their place."""
+
+    def __init__(self) -> None:
+        self.inside = False
+        self.text: list[str] = []
+
+    def hides(self, line: str) -> bool:
+        """Whether ``line`` is part of a box (its text is kept)."""
+        plain = _COLOUR.sub("", line).strip()
+        if plain.startswith("╭─"):
+            self.inside, self.text = True, []
+        elif self.inside and plain.startswith("╰─"):
+            self.inside = False
+        elif self.inside:
+            self.text.append(plain.strip("│ "))
+        else:
+            return False
+        return True
+
+    def message(self) -> str:
+        """The last box's text in one line."""
+        return " ".join(t for t in self.text if t)
+
+
+def _wait(
+    proc: subprocess.Popen, timeout: float | None, log_path: Path, echo: TextIO | None, check: Callable[[], None], box: _Box,
+) -> int:
+    """Wait for ``proc`` (at most ``timeout`` seconds), calling ``check`` every 0.2 s (it
+    raises to end the wait) and copying what ``proc`` writes to ``log_path`` to ``echo``
+    as it comes, line by line (:func:`echoed`), without flwr's error boxes (``box``
+    keeps them)."""
+    terminal = echo is not None and hasattr(echo, "isatty") and echo.isatty()
     deadline = None if timeout is None else time.monotonic() + timeout
     pending = ""
     with log_path.open(errors="replace") as follow:
@@ -374,12 +392,14 @@ def _wait(proc: subprocess.Popen, timeout: float | None, log_path: Path, echo: T
             if returncode is not None and pending:
                 lines, pending = [*lines, pending], ""
             for line in lines:
-                shown = echoed(line + "\n", terminal)
-                if shown is not None:
+                shown = None if box.hides(line) else echoed(line + "\n", terminal)
+                if shown is not None and echo is not None:
                     echo.write(shown)
-            echo.flush()
+            if echo is not None:
+                echo.flush()
             if returncode is not None:
                 return returncode
+            check()
             if deadline is not None and time.monotonic() > deadline:
                 raise subprocess.TimeoutExpired(proc.args, timeout or 0.0)
 
@@ -458,9 +478,17 @@ class LocalDeployment:
         """SuperLink node id of every SuperNode's current process (None while down)."""
         self.keys: list[NodeKey] = []
         """With ``auth``: each SuperNode's key pair."""
+        self.mark: str | None = None
+        """:data:`~contrafl.flower.lifetime.MARK` of the processes of this start."""
+        self.leftovers: list[str] = []
+        """The processes an earlier deployment of ``workdir`` left running, which
+        :meth:`start` ended (``program (pid N)``)."""
         self._superlink: _Process | None = None
         self._nodes: list[_Process] = []
         self._runs = 0
+        self._serverapp: tuple[int, int] | None = None  # (pid, start) of the running run's ServerApp
+        self._serverapp_gone: float | None = None  # when it was first seen gone
+        self._next_scan = 0.0
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -505,6 +533,11 @@ class LocalDeployment:
     def _start(self) -> None:
         if self._superlink is not None:
             raise FlowerLaunchError("the deployment is already started")
+        left = marked(f"{self.workdir}|")
+        if left:  # an earlier deployment of workdir, killed with its parent before it could stop them
+            end(left, self.stop_grace)
+            self.leftovers = [f"{program(argv)} (pid {pid})" for (pid, _), argv in sorted(left.items())]
+        self.mark = f"{self.workdir}|{secrets.token_hex(8)}"
         if self.port is None:
             self.port = free_port(self.host)
         else:
@@ -577,6 +610,7 @@ class LocalDeployment:
             "FLWR_TELEMETRY_ENABLED": "0",
             "FLWR_SUPEREXEC_TASK_POLL_INTERVAL": str(SUPEREXEC_POLL_INTERVAL),
             "PATH": os.pathsep.join([str(self.bin_dir), os.environ.get("PATH", "")]),
+            MARK: str(self.mark),
         }
 
     def _free_node_ports(self) -> list[int]:
@@ -650,13 +684,17 @@ class LocalDeployment:
         called again afterwards."""
         _terminate([p for p in self._nodes if p is not None], self.stop_grace)
         _terminate([self._superlink] if self._superlink is not None else [], self.stop_grace)
+        if self.mark is not None:  # what their deaths orphaned (a ServerApp whose SuperLink was killed)
+            end(marked(self.mark), min(self.stop_grace, 2.0))
         self._superlink, self._nodes = None, []
         self.node_ids = [None] * self.num_nodes
 
     def pids(self) -> set[int]:
         """Pids of every live process started by the deployment (including flwr's
-        SuperExec, ServerApp and ClientApp children)."""
-        return {pid for p in [*self._nodes, self._superlink] if p is not None for pid in p.pids()}
+        SuperExec, ServerApp and ClientApp children, and contrafl's runners and workers,
+        whoever their parents are now)."""
+        own = {pid for p in [*self._nodes, self._superlink] if p is not None for pid in p.pids()}
+        return own | ({pid for pid, _ in marked(self.mark)} if self.mark is not None else set())
 
     # ------------------------------------------------------------------ faults
 
@@ -788,34 +826,54 @@ class LocalDeployment:
             config_file.write_text(toml_document(run_config))
             argv += ["--run-config", str(config_file)]
         began = time.monotonic()
+        box = _Box()
+        self._serverapp, self._serverapp_gone = None, None
         with log_path.open("wb") as log:
             proc = subprocess.Popen(  # noqa: S603
                 argv, env=self._env(self.flwr_home), stdout=log, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL, start_new_session=True,
+                stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=dying_with(os.getpid()),
             )
             try:
-                returncode = _wait(proc, timeout, log_path, echo)
-            except subprocess.TimeoutExpired:
+                returncode = _wait(proc, timeout, log_path, echo, self._check_run, box)
+            except (subprocess.TimeoutExpired, DeploymentDied) as exc:
                 _signal(proc.pid, signal.SIGKILL, group=True)
                 proc.wait()
+                if isinstance(exc, DeploymentDied):
+                    raise
                 if match := _RUN_ID.search(log_path.read_text(errors="replace")):
                     self._flwr("stop", match.group(1), CONNECTION)
-                raise FlowerLaunchError(
-                    f"flwr run {app_dir} did not finish within {timeout} s (log {log_path}):\n"
-                    f"{_tail(log_path)}"
-                ) from None
+                raise FlowerLaunchError(f"flwr run {app_dir} did not finish within {timeout} s (log {log_path})") from None
         seconds = time.monotonic() - began
         match = _RUN_ID.search(log_path.read_text(errors="replace"))
         if returncode != 0 or match is None:
-            raise FlowerLaunchError(
-                f"flwr run {app_dir} failed with exit status {returncode} (log {log_path}):\n"
-                f"{_tail(log_path)}"
-            )
+            self._check_run(superlink_only=True)
+            why = box.message() or _tail(log_path, lines=1)
+            raise FlowerLaunchError(f"flwr run {app_dir} failed with exit status {returncode}: {why} (log {log_path})")
         run_id = int(match.group(1))
         status = self.run_status(run_id)
         if status["status"] != "finished:completed":
-            raise FlowerLaunchError(
-                f"run {run_id} of {app_dir} ended as {status['status']} "
-                f"{status.get('status-details', '')} (log {log_path}):\n{_tail(log_path)}"
-            )
+            details = " ".join(str(status.get("status-details", "")).split())
+            raise FlowerLaunchError(f"run {run_id} of {app_dir} ended as {status['status']}{f' ({details})' if details else ''} (log {log_path})")
         return RunResult(run_id, returncode, status["status"], log_path, seconds)
+
+    def _check_run(self, superlink_only: bool = False) -> None:
+        """Raise :class:`DeploymentDied` when the SuperLink died, or (unless
+        ``superlink_only``) when the run's ServerApp process (seen before) has been gone
+        for :data:`SERVERAPP_GRACE_S` while ``flwr run`` goes on. Reaps the SuperNodes
+        that died."""
+        assert self._superlink is not None
+        if not self._superlink.running():
+            raise DeploymentDied(f"the SuperLink (pid {self._superlink.popen.pid}) {self._superlink.death()}")
+        for node in self._nodes:
+            node.running()  # a dead SuperNode is no zombie that its worker takes for alive
+        now = time.monotonic()
+        if now < self._next_scan or superlink_only:
+            return
+        self._next_scan = now + 0.5
+        if self._serverapp is None:
+            apps = [p for p, argv in marked(str(self.mark)).items() if program(argv) == "flwr-serverapp"]
+            self._serverapp = apps[0] if apps else None
+        elif not alive(*self._serverapp):
+            self._serverapp_gone = self._serverapp_gone or now
+            if now - self._serverapp_gone > SERVERAPP_GRACE_S:
+                raise DeploymentDied(f"the ServerApp (flwr-serverapp, pid {self._serverapp[0]}) died")

@@ -21,6 +21,8 @@ Flower's ``flower-superexec``.
 from __future__ import annotations
 
 import argparse
+import os
+import threading
 import time
 from functools import partial
 from logging import ERROR
@@ -35,7 +37,6 @@ from flwr.clientapp.utils import get_load_client_app_fn  # noqa: E402
 from flwr.common.constant import ErrorCode, SubStatus  # noqa: E402
 from flwr.proto.runtime_pb2 import AcquireTaskRequest  # noqa: E402  # pylint: disable=E0611
 from flwr.supercore import log  # noqa: E402
-from flwr.supercore.app_utils import start_parent_process_monitor  # noqa: E402
 from flwr.supercore.constant import TaskType  # noqa: E402
 from flwr.supercore.heartbeat import HeartbeatSender, make_task_heartbeat_fn_http  # noqa: E402
 from flwr.supercore.interceptors import RuntimeTokenHttpInterceptor, RuntimeVersionHttpInterceptor  # noqa: E402
@@ -44,6 +45,7 @@ from flwr.supercore.runtime import RuntimeHttpClient  # noqa: E402
 from flwr.supernode.runtime import run_clientapp  # noqa: E402
 from flwr.supernode.runtime.run_clientapp import pull_task_input, push_message, push_task_output  # noqa: E402
 
+from .lifetime import alive  # noqa: E402
 from .supernode import PULL_BACKOFF_S  # noqa: E402
 
 POLL_S = 0.05
@@ -96,7 +98,7 @@ def serve(address: str, parent_pid: int | None) -> None:
         run_clientapp.pull_and_inflate_object_from_tree, initial_backoff=initial, backoff_cap=cap,
     )
     if parent_pid is not None:
-        start_parent_process_monitor(parent_pid)
+        threading.Thread(target=_end_with, args=(parent_pid,), daemon=True).start()
     tasks = client(address, RuntimeVersionHttpInterceptor(component_name="SuperExec"))
     while True:
         acquired = tasks.AcquireTask(AcquireTaskRequest(supported_task_types=[TaskType.CLIENT_APP]))
@@ -104,6 +106,16 @@ def serve(address: str, parent_pid: int | None) -> None:
             run_task(address, acquired.token)
         else:
             time.sleep(POLL_S)
+
+
+def _end_with(parent_pid: int) -> None:
+    """Exit once the process ``parent_pid`` (the SuperNode) is gone, a zombie included
+    (flwr's parent monitor takes a killed SuperNode that nobody reaped for alive, and
+    its SIGINT can land in a retry that swallows it): a task under way has nobody to
+    answer to."""
+    while alive(parent_pid):
+        time.sleep(0.2)
+    os._exit(0)
 
 
 def main() -> None:

@@ -23,6 +23,7 @@ from ..errors import ConfigError, ContraflError
 from ..rng import derive_seed
 from .codec import decode, encode  # first: a clear error when flwr is missing
 from flwr.app import Message, MessageType, RecordDict
+from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
 
 from .node import USER_ERROR
@@ -43,10 +44,20 @@ class GridTransport:
             SuperNode that cannot serve its client, an error, no reply within
             ``round_timeout``); with fewer the run stops, resumable from its last
             checkpoint. Otherwise the others are recorded as lost.
-        wait_nodes: seconds to wait for a node of every client to come online.
+        wait_nodes: seconds to wait for a node of a client to come online, for a client
+            whose node the server has not seen yet (the SuperNodes start). A client
+            whose node stopped answering (no reply within ``round_timeout``, Flower's
+            "node unavailable", or the SuperLink lists its node offline: its heartbeats
+            stopped) is *offline*: later rounds and evaluations leave it out at once,
+            as lost, until a node serving it says so again: a restarted SuperNode (a
+            new node id), or the same node once it answers (it was only slow, or its
+            network was down), each asked which partition it serves without being
+            waited for. A dead site thus costs one ``round_timeout``, once.
         checkpointed: the round of the server's last checkpoint, sent with each train
             message (the clients keep the state a server resuming from it needs).
     """
+
+    runtime = "flower"
 
     def __init__(
         self, grid: Grid, num_clients: int, round_timeout: float, min_replies: int, wait_nodes: float = 120.0,
@@ -61,6 +72,10 @@ class GridTransport:
         self.partition_of: dict[int, int] = {}  # node id -> client id
         self.unfit: dict[int, tuple[int | None, str]] = {}  # node id -> (its partition-id, why it cannot serve it)
         self.queries: dict[str, int] = {}  # message id of an unanswered query -> node id
+        self.offline: dict[int, str] = {}  # client id -> why it is offline (its node stopped answering)
+        self.suspect: set[int] = set()  # nodes that stopped answering: asked again, but not waited for
+        self.gone: set[int] = set()  # online nodes that Flower found unavailable: not asked again while listed online
+        self.last_look = 0.0  # when the server last looked for new nodes
 
     def train(
         self, t: int, cids: list[int], message_for: Callable[[int], dict[str, Any]], phases: list[Phase]
@@ -80,14 +95,14 @@ class GridTransport:
             answered.add(message_id)
             cid = cid_of[message_id]
             if reply.has_error():
-                self.forget(cid)
                 lost[cid] = reason_of(reply)
+                self.forget(cid, t, lost[cid] if reply.error.code == ErrorCode.NODE_UNAVAILABLE else None)
             else:
                 ok += 1  # a node that answered, if only that its client missed the deadline
                 yield outcome_of(cid, decode(reply.content))
         for message_id in set(cid_of) - answered:
-            self.forget(cid_of[message_id])
             lost[cid_of[message_id]] = f"no reply within {self.round_timeout:g}s"
+            self.forget(cid_of[message_id], t, lost[cid_of[message_id]])
         if ok < needed:
             raise self.too_few(t, f"{ok} of {len(cids)} clients replied", lost)
         if cids and not ok:
@@ -123,12 +138,16 @@ class GridTransport:
         """Evaluate messages of ``message_for`` (and ``extra``) to the nodes of ``cids``;
         the scores of those that reply within ``round_timeout``."""
         cid_of, _ = self.send(t, cids, message_for, MessageType.EVALUATE, extra)
+        answered: set[str] = set()
         for reply in self.replies(list(cid_of), self.round_timeout):
+            answered.add(reply.metadata.reply_to_message_id)
             cid = cid_of[reply.metadata.reply_to_message_id]
             if reply.has_error():
-                self.forget(cid)
+                self.forget(cid, t, reason_of(reply) if reply.error.code == ErrorCode.NODE_UNAVAILABLE else None)
             else:
                 yield cid, decode(reply.content) or None
+        for message_id in set(cid_of) - answered:
+            self.forget(cid_of[message_id], t, f"no evaluation reply within {self.round_timeout:g}s")
 
     def send(
         self, t: int, cids: list[int], message_for: Callable[[int], dict[str, Any]], kind: str, extra: dict[str, Any]
@@ -152,7 +171,7 @@ class GridTransport:
         """``{client without a node: why}`` among ``cids``."""
         unfit = {cid: why for cid, why in self.unfit.values() if cid is not None}
         return {
-            cid: unfit.get(cid, f"no SuperNode serves partition {cid} (waited wait-nodes={self.wait_nodes:g}s)")
+            cid: self.offline.get(cid) or unfit.get(cid, f"no SuperNode serves partition {cid} (waited wait-nodes={self.wait_nodes:g}s)")
             for cid in cids if cid not in node_of
         }
 
@@ -160,29 +179,47 @@ class GridTransport:
         """The replies to ``message_ids`` as they arrive (:func:`pull_replies`). Answers to
         queries that come in meanwhile are collected too (an unfit SuperNode is reported
         as soon as it says so)."""
-        return pull_replies(self.grid, message_ids, timeout, while_waiting=self.collect_answers)
+        return pull_replies(self.grid, message_ids, timeout, while_waiting=self.look_for_nodes)
 
     def nodes(self, cids: list[int]) -> dict[int, int]:
         """``{client id: node id}`` of the online SuperNodes the server knows, waiting
-        up to ``wait_nodes`` seconds for a node of each client, but not for clients
-        whose online nodes have all answered and cannot serve them. Nodes not seen
-        before are asked which partition they serve (a query message); their answers
-        are collected as they come, so a node that never answers (it died) delays
+        up to ``wait_nodes`` seconds for a node of each client whose node it has not
+        seen yet, but not for offline clients (unless a node that came online has not
+        said yet which client it serves: a restarted SuperNode), nor for clients whose
+        online nodes have all answered and cannot serve them; a client whose known node
+        the SuperLink no longer lists (its heartbeats stopped) goes offline. Nodes not seen before are
+        asked which partition they serve (a query message); their answers are
+        collected as they come, so a node that never answers (it died) delays
         nothing."""
         deadline = time.monotonic() + self.wait_nodes
         while True:
-            self.collect_answers()
-            online = {int(n) for n in self.grid.get_node_ids()}
+            online = self.look_for_nodes(force=True)
             node_of = {cid: node for node, cid in self.partition_of.items() if node in online}
-            asked = set(self.queries.values())
-            new = sorted(n for n in online if n not in self.partition_of and n not in self.unfit and n not in asked)
-            unfit = {cid for node, (cid, _) in self.unfit.items() if node in online} if not new and not asked & online else set()
-            if all(cid in node_of or cid in unfit for cid in cids) or time.monotonic() > deadline:
+            for node, cid in list(self.partition_of.items()):
+                if node not in online and cid not in node_of and cid in cids:
+                    self.forget(cid, None, "its SuperNode went offline (the SuperLink missed its heartbeats)")
+            loading = set(self.queries.values()) & online - self.suspect  # nodes up that have not said yet whom they serve
+            unfit = {cid for node, (cid, _) in self.unfit.items() if node in online} if not loading else set()
+            if all(cid in node_of or cid in unfit or cid in self.offline and not loading for cid in cids) or time.monotonic() > deadline:
                 return node_of
-            if new:
-                messages = [Message(RecordDict(), dst_node_id=n, message_type=MessageType.QUERY) for n in new]
-                self.queries.update(zip(self.grid.push_messages(messages), new))
             time.sleep(POLL_S)
+
+    def look_for_nodes(self, force: bool = False) -> set[int]:
+        """The online nodes; those not seen before are asked which partition they serve,
+        and the answers so far collected. At most once a second unless ``force`` (while
+        a round waits for its replies, a restarted SuperNode is found and asked)."""
+        self.collect_answers()
+        if not force and time.monotonic() - self.last_look < 1.0:
+            return set()
+        self.last_look = time.monotonic()
+        online = {int(n) for n in self.grid.get_node_ids()}
+        self.gone &= online  # a node that went offline and comes back (its network was down) is asked anew
+        asked = set(self.queries.values())
+        new = sorted(n for n in online if n not in self.partition_of and n not in self.unfit and n not in asked and n not in self.gone)
+        if new:
+            messages = [Message(RecordDict(), dst_node_id=n, message_type=MessageType.QUERY) for n in new]
+            self.queries.update(zip(self.grid.push_messages(messages), new))
+        return online
 
     def collect_answers(self) -> None:
         """The answers to the queries so far: the partition each node serves, or why it
@@ -190,6 +227,10 @@ class GridTransport:
         for reply in self.grid.pull_messages(list(self.queries)) if self.queries else []:
             node = self.queries.pop(reply.metadata.reply_to_message_id, None)
             if node is None:
+                continue
+            self.suspect.discard(node)
+            if reply.has_error() and reply.error.code == ErrorCode.NODE_UNAVAILABLE:
+                self.gone.add(node)  # it died before it answered; asked again should it come back online
                 continue
             info = {} if reply.has_error() else reply.content["info"]
             cid = int(info["partition-id"]) if "partition-id" in info else None
@@ -203,13 +244,23 @@ class GridTransport:
                 why = f"node config partition-id={cid} is not a client of the run (0..{self.num_clients - 1}); restart the SuperNode with the partition-id of the client it serves"
             else:
                 self.partition_of[node] = cid
+                if self.offline.pop(cid, None) is not None:
+                    print(f"client {cid} is back (SuperNode {node})", flush=True)
                 continue
             self.unfit[node] = (cid, why)
             print(f"SuperNode {node}{'' if cid is None else f' (partition-id={cid})'} is not used: {why}", flush=True)
 
-    def forget(self, cid: int) -> None:
-        """Drop the node of client ``cid``: a restarted SuperNode comes back with a new id."""
-        self.partition_of = {node: c for node, c in self.partition_of.items() if c != cid}
+    def forget(self, cid: int, t: int | None = None, offline: str | None = None) -> None:
+        """Drop the node of client ``cid`` (a restarted SuperNode comes back with a new
+        id); with ``offline`` (why its node stopped answering, in round ``t``), the
+        client is offline until a node serving it comes back."""
+        for node in [node for node, c in self.partition_of.items() if c == cid]:
+            del self.partition_of[node]
+            if offline is not None:  # asked again whom it serves: a node that was only slow answers once free
+                self.suspect.add(node)
+        if offline is not None and cid not in self.offline:
+            since = "" if t is None else f" in round {t + 1}"
+            self.offline[cid] = f"offline: {offline}{since}; left out until its SuperNode is back"
 
 
 def pull_replies(

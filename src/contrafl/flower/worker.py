@@ -40,6 +40,7 @@ import traceback
 from pathlib import Path
 
 from ..errors import ContraflError
+from .lifetime import alive
 from .node import NodeSettings
 from .wire import pack, recv_frame, send_frame, unpack
 from flwr.app import RecordDict
@@ -189,7 +190,7 @@ def _starting(path: Path) -> int | None:
     child = _children.get(path)
     if child is not None and child.pid == pid:
         return pid if child.poll() is None else None
-    return pid if _alive(pid) else None
+    return pid if alive(pid) else None
 
 
 def _spawn(path: Path, settings: NodeSettings, owner: int) -> None:
@@ -211,16 +212,6 @@ def _wait_until_listening(path: Path, settings: NodeSettings) -> socket.socket:
             raise WorkerError(f"the contrafl worker of partition {settings.partition_id} did not listen within {START_S:g}s")
         time.sleep(0.02)
     return sock
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return True
 
 
 class Worker:
@@ -245,7 +236,7 @@ class Worker:
                 pass
             listener.settimeout(1.0)
             last = time.monotonic()
-            while _alive(self.owner) and time.monotonic() - last < self.idle:
+            while alive(self.owner) and time.monotonic() - last < self.idle:
                 try:
                     conn, _ = listener.accept()
                 except TimeoutError:
