@@ -277,6 +277,8 @@ def test_the_several_machines_commands_give_contrafl_runs_metrics_and_report_wha
         node_log = process.log_text()
         assert "Traceback" not in node_log and node_log.count(problem) == 1 and f"contrafl: {problem}" in node_log, node_log
         node_id = node_log.split("SuperNode ID: ")[1].split()[0]
-        assert f"SuperNode {node_id} (partition-id={partition}) is not used: {problem}" in log, log
+        told = problem.replace(str(tmp_path / "node-no-run" / "run"), "<run-dir>")  # the server is not told the site's paths
+        assert f"SuperNode {node_id} (partition-id={partition}) is not used: {told}" in log, log
+    assert str(tmp_path / "node-no-run") not in log
     subprocess.run([sys.executable, "-m", "contrafl", "run", "--quiet", "--out", str(tmp_path / "sim"), *settings], env=env, check=True)
     assert (run / "metrics.jsonl").read_text() == (tmp_path / "sim" / "metrics.jsonl").read_text()

@@ -246,3 +246,19 @@ def test_contrafl_deploy_killed_takes_its_whole_deployment_with_it(tmp_path):
     assert summary["status"] == "failed" and "SuperLinkGone: the SuperLink stopped or died" in summary["error"], summary
     assert main(["deploy", "--resume", str(run)]) == 0
     assert read_summary(run)["status"] == "completed" and len(metrics(run)) == 3
+
+
+def test_a_run_that_diverges_on_a_deployment_ends_in_one_line(tmp_path, capsys):
+    """dp=local with its defaults diverges in round 2 (FedAvg, digits): the deployment,
+    like the simulator, says so in one line, the ServerApp's log holds no traceback, and
+    summary.json says failed with the same reason."""
+    run = tmp_path / "run"
+    assert main(["deploy", "--out", str(run), "algorithm=fedavg", *COMMON, "rounds=3", "dp=local"]) == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("contrafl: error: client ") and "has non-finite values" in err[0], err
+    assert err[0].endswith(f"(round 2 of 3; once that is fixed, continue with `contrafl deploy --resume {run}`)"), err
+    assert "Traceback" not in captured.out and "Exit Code" not in captured.out and "Traceback" not in (run / "flower" / "logs" / "run-1.log").read_text()
+    summary = read_summary(run)
+    assert summary["status"] == "failed" and "has non-finite values" in summary["error"]
+    assert not marked(f"{(run / 'flower').resolve()}|")

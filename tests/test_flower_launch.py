@@ -192,3 +192,15 @@ def test_the_servers_output_is_echoed_without_colour_codes_off_a_terminal_and_wi
     assert echoed(coloured, terminal=True) == coloured
     assert echoed("\x1b[92mINFO \x1b[0m:      \n", terminal=False) is None
     assert echoed("round 1/1  |####|  loss 2.19\n", terminal=False) == "round 1/1  |####|  loss 2.19\n"
+
+
+def test_flowers_exit_code_notice_after_a_serverapp_error_is_not_echoed() -> None:
+    """contrafl's ServerApp says its error in one line; flwr's notice that follows is
+    kept in the log, not echoed."""
+    from contrafl.flower.launch import echoed
+
+    for line in ["\x1b[91mERROR \x1b[0m:     Exit Code: 201\n", "\n", "An unhandled exception occurred in the ServerApp.\n",
+                 "For more information, visit: <https://flower.ai/docs/framework/1.41/en/ref-exit-codes/201.html>\n"]:
+        assert echoed(line, terminal=False) is None, line
+    error = "\x1b[91mERROR \x1b[0m:     contrafl: error: client 2's update in round 2 was rejected\n"
+    assert echoed(error, terminal=False) == "ERROR :     contrafl: error: client 2's update in round 2 was rejected\n"

@@ -71,3 +71,19 @@ def test_a_malformed_settings_file_is_one_line(tmp_path, text):
     (tmp_path / "flower" / SETTINGS).write_text(text)
     with pytest.raises(ConfigError, match=rf"^--resume {tmp_path}: {tmp_path / 'flower' / SETTINGS} is not a deployment's settings \(.+\); "):
         Settings.read(tmp_path)
+
+
+def test_a_refusal_tells_the_server_no_path_of_the_site(tmp_path, capsys):
+    """The SuperNode's log has the whole message; the server gets it with the node
+    config's paths replaced by their keys."""
+    from types import SimpleNamespace
+
+    from contrafl.errors import DataError
+    from contrafl.flower.node import reported
+
+    data = tmp_path / "hospital" / "images"
+    context = SimpleNamespace(node_config={"partition-id": 1, "data": str(data) + "/", "state-dir": str(tmp_path / "state")})
+    exc = DataError(f"{data / 'train' / 'horse' / '1.png'}: class 'horse' is not in dataset.classes; state in {tmp_path / 'state'}")
+    told = reported(exc, context)
+    assert told == "<data>/train/horse/1.png: class 'horse' is not in dataset.classes; state in <state-dir>"
+    assert capsys.readouterr().err == f"contrafl: {exc}\n"

@@ -56,7 +56,7 @@ def serve(msg: Message, context: Context) -> Message:
         print(f"contrafl: this client's update is rejected before masking and enters no secure sum: {exc}", file=sys.stderr, flush=True)
         return Message(Error(REJECTED, str(exc)), reply_to=msg)
     except ContraflError as exc:
-        return Message(Error(USER_ERROR, reported(exc)), reply_to=msg)
+        return Message(Error(USER_ERROR, reported(exc, context)), reply_to=msg)
 
 
 @app.train()
@@ -90,7 +90,7 @@ def query(msg: Message, context: Context) -> Message:
             worker.start(settings)
         problem = None
     except ContraflError as exc:
-        problem = reported(exc)
+        problem = reported(exc, context)
     try:
         partition = number(context.node_config, "partition-id")
     except ConfigError:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import json
+import re
 import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -279,7 +280,8 @@ def record_stop(path: Path, rounds: int, exc: BaseException) -> BaseException:
     if isinstance(exc, KeyboardInterrupt):
         status, why = "interrupted", f"contrafl deploy was interrupted after round {done} of {rounds}; continue with {resume}"
     elif summary.get("status") == "failed" and not isinstance(exc, DeploymentDied) and summary.get("error"):
-        return ContraflError(f"{summary['error']} (round {done + 1} of {rounds}; once that is fixed, continue with {resume})")
+        why = re.sub(r"^\w+(Error|Gone): ", "", summary["error"])  # the summary's "Type: message"
+        return ContraflError(f"{why} (round {done + 1} of {rounds}; once that is fixed, continue with {resume})")
     else:
         what = exc.what if isinstance(exc, DeploymentDied) else f"the Flower deployment stopped ({exc})"
         status, why = "failed", f"{what} after round {done} of {rounds}; continue from its last checkpoint with {resume}"

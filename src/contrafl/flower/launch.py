@@ -335,12 +335,19 @@ _COLOUR = re.compile(r"\x1b\[[0-9;]*m")
 _BARE_LEVEL = re.compile(r"(DEBUG|INFO|WARNING|ERROR|CRITICAL)\s*:\s*")
 
 
+_EXIT_NOTICE = re.compile(
+    r"((DEBUG|INFO|WARNING|ERROR|CRITICAL)\s*:\s*)?(Exit Code: \d+|An unhandled exception occurred in the ServerApp\.|"
+    r"For more information, visit: <https://flower\.ai/docs/framework/.*ref-exit-codes/.*>)\s*"
+)
+
+
 def echoed(line: str, terminal: bool) -> str | None:
     """A line of ``flwr run``'s output as :func:`_wait` echoes it: without flwr's colour
-    codes unless it goes to a ``terminal``, and None for a log line without a message
-    (flwr logs an empty one after the ServerApp's output)."""
+    codes unless it goes to a ``terminal``; None for a log line without a message (flwr
+    logs an empty one after the ServerApp's output), for an empty line and for flwr's exit-code notice
+    after a ServerApp's error (which contrafl's ServerApp said in one line before)."""
     plain = _COLOUR.sub("", line)
-    if _BARE_LEVEL.fullmatch(plain.rstrip("\n")):
+    if _BARE_LEVEL.fullmatch(plain.rstrip("\n")) or _EXIT_NOTICE.fullmatch(plain.rstrip("\n")) or not plain.strip():
         return None
     return line if terminal else plain
 

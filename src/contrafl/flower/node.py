@@ -175,10 +175,27 @@ def client_state_dir(run_dir: str | Path, cid: int, state_dir: str | Path | None
     return Path(state_dir or Path(run_dir) / STATE_DIR) / f"client-{cid}"
 
 
-def reported(exc: ContraflError) -> str:
-    """``exc``'s message, also written to the SuperNode's log (one line)."""
+PRIVATE_PATHS = ("data", "data-dir", "state-dir", "run-dir")
+"""The node config keys that name this machine's paths, which the server is not told."""
+
+
+def reported(exc: ContraflError, context: Context | None = None) -> str:
+    """``exc``'s message, written to the SuperNode's log (one line), and what the server
+    is told: the same with each path of ``context``'s node config (:data:`PRIVATE_PATHS`)
+    replaced by its key (``<data>/train/x.png``), so that a refusal does not tell the
+    server where a site keeps its data."""
     print(f"contrafl: {exc}", file=sys.stderr, flush=True)
-    return str(exc)
+    text = str(exc)
+    node = context.node_config if context is not None else {}
+    paths = {}
+    for key in PRIVATE_PATHS:
+        if node.get(key):
+            raw = str(node[key])
+            for form in {raw, str(Path(raw).expanduser()), str(Path(raw).expanduser().resolve())}:
+                paths[form.rstrip("/") or form] = f"<{key}>"
+    for path in sorted(paths, key=len, reverse=True):  # the longest first: a folder inside another
+        text = text.replace(path, paths[path])
+    return text
 
 
 def info_record(partition_id: int | None, problem: str | None = None) -> RecordDict:

@@ -281,7 +281,7 @@ def secure_mod(msg: Message, context: Any, call_next: Callable) -> Message:
     except _ErrorReply as exc:
         return Message(exc.error, reply_to=msg)
     except ContraflError as exc:
-        return Message(Error(USER_ERROR, reported(exc)), reply_to=msg)
+        return Message(Error(USER_ERROR, reported(exc, context)), reply_to=msg)
 
 
 def collect_refusal(msg: Message, context: Any) -> None:
