@@ -158,7 +158,7 @@ def crash_and_resume(path: Path, cfg, crash_in: int, reuse: bool, rounds_done: i
         sim.run()
     assert len(metrics(path)) == crash_in
     if states is not None:
-        assert sorted(p.name for p in (path / "flower-clients" / "client-0").iterdir()) == states
+        assert sorted(p.name for p in (path / "flower-clients" / "client-0").glob("*.pt")) == states
     sim = resume(prepare(load_config(path / "config.yaml")), RunDir(path, resume=True))
     assert sim.rounds_done == rounds_done
     transport.sim, transport.crash_in = sim, None

@@ -80,7 +80,7 @@ def test_sites_with_their_own_folders_equal_the_simulation_and_a_node_that_does_
     assert f"(partition-id=1) is not used: {problem}" in server_log, server_log
     assert str(tmp_path / "node-3") not in server_log  # a refusal does not tell the server where the site keeps its data
     for k in range(3):  # each node's states in its own run directory; no node read another's folder
-        assert sorted(p.name for p in (tmp_path / f"node-{k}" / "run" / "flower-clients" / f"client-{k}").iterdir()) == ["round-1.pt", "round-2.pt"]
+        assert sorted(p.name for p in (tmp_path / f"node-{k}" / "run" / "flower-clients" / f"client-{k}").iterdir()) == ["data.json", "round-1.pt", "round-2.pt"]
         assert not (tmp_path / f"node-{k}" / "run" / "partition.json").exists()
     assert not (run / "label_counts.json").exists()
 

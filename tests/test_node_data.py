@@ -12,6 +12,7 @@ refused with one line. (A real deployment: test_flower_deploy.py.)
 from __future__ import annotations
 
 import dataclasses
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +27,7 @@ from contrafl.data.user import CommonOptions, Part, assemble, natural_key
 from contrafl.engine.run_dir import RunDir
 from contrafl.engine.setup import prepare, prepare_node
 from contrafl.engine.simulation import Simulation, resume
-from contrafl.errors import ConfigError, DataError
+from contrafl.errors import ConfigError, ContraflError, DataError
 from contrafl.flower.client import FlowerClient
 from contrafl.flower.deploy import commands, prepare_run
 from contrafl.flower.server import outcome_of
@@ -239,3 +240,64 @@ def test_a_simulation_of_a_federation_config_is_refused_with_the_way_to_simulate
     assert main(["run", "--out", str(tmp_path / "run"), "dataset=sites", "node_data=own", *FEDERATION, *TINY]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "data_dir=ROOT partition=natural" in err and not (tmp_path / "run").exists()
+
+
+def test_a_site_whose_data_change_between_rounds_is_refused_with_what_changed(tmp_path, sites):
+    """A client records its data (count and SHA-256) when the run begins; a site whose
+    files change afterwards (a sample added, a value edited) is refused in one line when
+    its client loads them again (a restarted worker or SuperNode), as is a record that
+    is not one. The same data again are accepted."""
+    run = tmp_path / "run"
+    prepare_run(federation_config("fedavg"), run)
+    site = sites / "clients" / "site-b"
+    FlowerClient(run, 1, data=site)
+    FlowerClient(run, 1, data=site)  # the same data: accepted
+    original = (site / "train.npz").read_bytes()
+    write_site(tmp_path / "more", ["dog", "owl"], 17, 6, 5)
+    (site / "train.npz").write_bytes((tmp_path / "more" / "train.npz").read_bytes())
+    with pytest.raises(ContraflError, match=r"^client 1's data changed since the run began \(22 samples then, 23 now\); put the run's data back") as info:
+        FlowerClient(run, 1, data=site)
+    assert "\n" not in str(info.value)
+    with np.load(tmp_path / "more" / "train.npz") as arrays:
+        x, y = arrays["x"][:16], arrays["y"][:16]
+    np.savez(site / "train.npz", x=x, y=y)  # 16 samples again, other pixels
+    with pytest.raises(ContraflError, match=r"\(the same count, other values\)"):
+        FlowerClient(run, 1, data=site)
+    (site / "train.npz").write_bytes(original)
+    FlowerClient(run, 1, data=site)
+    (run / "flower-clients" / "client-1" / "data.json").write_text("[")
+    with pytest.raises(ContraflError, match="is not a record of its data; remove it"):
+        FlowerClient(run, 1, data=site)
+
+
+@pytest.fixture
+def tiny_disk(tmp_path):
+    """A 4 MiB tmpfs (as root where mounts are allowed), unmounted afterwards."""
+    import subprocess
+
+    folder = tmp_path / "tiny"
+    folder.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(folder)], capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a small tmpfs here")
+    yield folder
+    subprocess.run(["umount", str(folder)], check=False)
+
+
+def test_a_site_whose_disk_fills_says_so_in_one_line_and_trains_again_once_it_has_room(tmp_path, sites, tiny_disk):
+    """The client's state of a round cannot be saved on a full disk: it sends no reply
+    (the server counts it lost, with the reason), leaves no temporary file behind, and
+    trains the round again from its last state once the disk has room."""
+    run = tmp_path / "run"
+    cfg = federation_config("moon")  # MOON keeps a state: the client's previous model
+    prepare_run(cfg, run)
+    sim = Simulation(prepare(cfg))
+    message = sim.algorithm.message_for(sim.algorithm.broadcast(sim.server, 0), sim.server, 1, 0)
+    client = FlowerClient(run, 1, state_dir=tiny_disk, data=sites / "clients" / "site-b")
+    ballast = tiny_disk / "ballast"
+    ballast.write_bytes(b"\0" * (shutil.disk_usage(tiny_disk).free - 8192))  # 8 KiB left
+    with pytest.raises(ContraflError, match=rf"^client 1 cannot save its state of round 1 in {tiny_disk / 'client-1'} \(.+\); free space there") as info:
+        client.train(0, message, 0)
+    assert "\n" not in str(info.value) and sorted(p.name for p in (tiny_disk / "client-1").iterdir()) == ["data.json"]
+    ballast.unlink()
+    reply = client.train(0, message, 0)
+    assert reply["num_samples"] == 16 and sorted(p.name for p in (tiny_disk / "client-1").iterdir()) == ["data.json", "round-1.pt"]

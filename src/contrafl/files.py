@@ -12,13 +12,18 @@ from typing import Any, BinaryIO
 def write_atomic(path: Path, write: Callable[[BinaryIO], Any]) -> None:
     """Replace ``path`` with what ``write`` writes to a binary file, surviving a crash
     at any point: a temporary file in the same directory, fsync, rename, fsync of the
-    directory. A reader sees the old file or the new one, never a torn one."""
+    directory. A reader sees the old file or the new one, never a torn one; a write
+    that fails (a full disk) leaves no temporary file behind."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     os.replace(tmp, path)
     fsync_dir(path.parent)
 

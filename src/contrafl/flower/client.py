@@ -25,7 +25,10 @@ abandoned and are removed.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -40,11 +43,14 @@ from ..engine.setup import own_rows, prepare, prepare_node
 from ..engine.simulation import Scores, Simulation, as_floats
 from ..engine.validate import check_reply
 from ..errors import ContraflError
+from ..files import write_atomic
 from .codec import decode, encode
 from .node import REPRODUCIBLE_WARNING, NodeSettings, client_state_dir, reproducible_noise
 from flwr.app import MessageType, RecordDict
 
 STATE_FILE = re.compile(r"round-(\d+)\.pt")
+DATA_FILE = "data.json"
+"""The record of a client's data in its state folder (:meth:`FlowerClient.check_data`)."""
 
 
 class FlowerClient:
@@ -76,6 +82,35 @@ class FlowerClient:
             setup = own_rows(prepare(cfg, Partition.load(self.run_dir / "partition.json")), cid)
         self.sim = Simulation(setup)
         self.state_dir = client_state_dir(self.run_dir, cid, state_dir)
+        self.check_data(setup.data.train.x, setup.data.train.y)
+
+    def check_data(self, *tensors: torch.Tensor) -> None:
+        """:class:`ContraflError` unless the client's data (its training and local test
+        rows, ``tensors``) are those it had when the run began, as recorded then in its
+        state folder (:data:`DATA_FILE`: their count and SHA-256). A site whose data
+        changed between rounds would train a run whose rounds saw different data, and
+        whose resume no longer equals it: refused, with what changed. (A worker that has
+        loaded them keeps training on what it loaded until it restarts.)"""
+        digest = hashlib.sha256()
+        for tensor in tensors:
+            digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        record = {"samples": int(tensors[-1].shape[0]), "sha256": digest.hexdigest()}
+        file = self.state_dir / DATA_FILE
+        try:
+            before = json.loads(file.read_text())
+        except FileNotFoundError:
+            self.state_dir.mkdir(parents=True, exist_ok=True)
+            text = json.dumps(record).encode()
+            write_atomic(file, lambda f: f.write(text))
+            return
+        except (OSError, ValueError):
+            raise ContraflError(f"client {self.cid}: {file} is not a record of its data; remove it to record the data as they are now") from None
+        if before != record:
+            change = f"{before.get('samples')} samples then, {record['samples']} now" if before.get("samples") != record["samples"] else "the same count, other values"
+            raise ContraflError(
+                f"client {self.cid}'s data changed since the run began ({change}); put the run's data back, "
+                "or start a new run with these: all of a run's rounds train on the same data"
+            )
 
     @classmethod
     def of(cls, settings: NodeSettings) -> FlowerClient:
@@ -146,8 +181,16 @@ class FlowerClient:
         outcome = next(iter(sim.train_locally(t, [cid], lambda _: message, sim.algorithm.phases(t))))
         entry = sim.store.get(cid)
         if entry is not None:
-            self.state_dir.mkdir(parents=True, exist_ok=True)
-            save_atomic(entry, self.state_dir / f"round-{t + 1}.pt")
+            try:
+                self.state_dir.mkdir(parents=True, exist_ok=True)
+                save_atomic(entry, self.state_dir / f"round-{t + 1}.pt")
+            except (OSError, RuntimeError) as exc:  # a full disk (torch.save says so as a RuntimeError); no reply leaves
+                free = shutil.disk_usage(self.state_dir).free if self.state_dir.is_dir() else 0
+                why = exc.strerror if isinstance(exc, OSError) and exc.strerror else f"{free} bytes free there"
+                raise ContraflError(
+                    f"client {cid} cannot save its state of round {t + 1} in {self.state_dir} ({why}); "
+                    "free space there, or give the SuperNode another state-dir: it then trains the round again from its last state"
+                ) from None
             states = self.states()
             keep = {t + 1, max((r for r in states if r <= checkpointed), default=0)}
             for r, path in states.items():

@@ -279,12 +279,15 @@ def record_stop(path: Path, rounds: int, exc: BaseException) -> BaseException:
     resume = f"`contrafl deploy --resume {path}`"
     if isinstance(exc, KeyboardInterrupt):
         status, why = "interrupted", f"contrafl deploy was interrupted after round {done} of {rounds}; continue with {resume}"
+        if not done:
+            why = why.replace(f"after round 0 of {rounds}", f"before round 1 of {rounds}")
     elif summary.get("status") == "failed" and not isinstance(exc, DeploymentDied) and summary.get("error"):
         why = re.sub(r"^\w+(Error|Gone): ", "", summary["error"])  # the summary's "Type: message"
         return ContraflError(f"{why} (round {done + 1} of {rounds}; once that is fixed, continue with {resume})")
     else:
-        what = exc.what if isinstance(exc, DeploymentDied) else f"the Flower deployment stopped ({exc})"
-        status, why = "failed", f"{what} after round {done} of {rounds}; continue from its last checkpoint with {resume}"
+        what = exc.what if isinstance(exc, DeploymentDied) else f"the Flower deployment stopped ({str(exc).splitlines()[0]})"
+        when = f"after round {done} of {rounds}" if done else f"before round 1 of {rounds}"
+        status, why = "failed", f"{what} {when}; continue from its last checkpoint with {resume}"
     try:
         run_dir = RunDir(Path(path), resume=True)
     except ConfigError as locked:

@@ -493,6 +493,7 @@ class LocalDeployment:
         self._superlink: _Process | None = None
         self._nodes: list[_Process] = []
         self._runs = 0
+        self._superlink_up = False  # the SuperLink of this start accepted connections
         self._serverapp: tuple[int, int] | None = None  # (pid, start) of the running run's ServerApp
         self._serverapp_gone: float | None = None  # when it was first seen gone
         self._next_scan = 0.0
@@ -524,8 +525,16 @@ class LocalDeployment:
         self._check_flwr()
         try:
             self._start()
-        except BaseException:
+        except BaseException as exc:
+            died = None
+            if isinstance(exc, FlowerLaunchError | subprocess.TimeoutExpired) and not isinstance(exc, DeploymentDied) and self._superlink_up:
+                try:  # a flwr command or a SuperNode failed because the SuperLink had died: that is what to say
+                    self._check_superlink()
+                except DeploymentDied as dead:
+                    died = dead
             self.stop()
+            if died is not None:
+                raise died from None
             raise
 
     def _check_flwr(self) -> None:
@@ -579,6 +588,7 @@ class LocalDeployment:
         )
         self._superlink.start()
         self._wait_for_superlink()
+        self._superlink_up = True
         if self.auth:
             from contrafl.flower.auth import make_node_keys
 
@@ -658,6 +668,7 @@ class LocalDeployment:
         deadline = time.monotonic() + self.start_timeout
         pending = list(indices)
         while pending:
+            self._check_superlink()
             for i in list(pending):
                 node = self._nodes[i]
                 if match := _NODE_ID.search(node.log_text()):
@@ -693,7 +704,7 @@ class LocalDeployment:
         _terminate([self._superlink] if self._superlink is not None else [], self.stop_grace)
         if self.mark is not None:  # what their deaths orphaned (a ServerApp whose SuperLink was killed)
             end(marked(self.mark), min(self.stop_grace, 2.0))
-        self._superlink, self._nodes = None, []
+        self._superlink, self._nodes, self._superlink_up = None, [], False
         self.node_ids = [None] * self.num_nodes
 
     def pids(self) -> set[int]:
@@ -863,14 +874,17 @@ class LocalDeployment:
             raise FlowerLaunchError(f"run {run_id} of {app_dir} ended as {status['status']}{f' ({details})' if details else ''} (log {log_path})")
         return RunResult(run_id, returncode, status["status"], log_path, seconds)
 
+    def _check_superlink(self) -> None:
+        """Raise :class:`DeploymentDied` when the SuperLink died."""
+        if self._superlink is not None and self._superlink.popen is not None and not self._superlink.running():
+            raise DeploymentDied(f"the SuperLink (pid {self._superlink.popen.pid}) {self._superlink.death()}")
+
     def _check_run(self, superlink_only: bool = False) -> None:
         """Raise :class:`DeploymentDied` when the SuperLink died, or (unless
         ``superlink_only``) when the run's ServerApp process (seen before) has been gone
         for :data:`SERVERAPP_GRACE_S` while ``flwr run`` goes on. Reaps the SuperNodes
         that died."""
-        assert self._superlink is not None
-        if not self._superlink.running():
-            raise DeploymentDied(f"the SuperLink (pid {self._superlink.popen.pid}) {self._superlink.death()}")
+        self._check_superlink()
         for node in self._nodes:
             node.running()  # a dead SuperNode is no zombie that its worker takes for alive
         now = time.monotonic()

@@ -135,19 +135,29 @@ class GridTransport:
     def evaluations(
         self, t: int, cids: list[int], message_for: Callable[[int], dict[str, Any]], extra: dict[str, Any]
     ) -> Iterator[tuple[int, Scores | None]]:
-        """Evaluate messages of ``message_for`` (and ``extra``) to the nodes of ``cids``;
-        the scores of those that reply within ``round_timeout``."""
-        cid_of, _ = self.send(t, cids, message_for, MessageType.EVALUATE, extra)
+        """Evaluate messages of ``message_for`` (and ``extra``) to the nodes of ``cids``
+        (``t``: the rounds done); the scores of those that reply within
+        ``round_timeout``. Raises :class:`ContraflError` once they are in when fewer than
+        ``min_replies`` replied (all of ``cids`` when fewer): ``min_replies`` holds for
+        every exchange of a round, so that a run never goes on with an evaluation of
+        fewer clients than it asks for."""
+        cid_of, lost = self.send(t, cids, message_for, MessageType.EVALUATE, extra)
         answered: set[str] = set()
+        replied = 0
         for reply in self.replies(list(cid_of), self.round_timeout):
             answered.add(reply.metadata.reply_to_message_id)
             cid = cid_of[reply.metadata.reply_to_message_id]
             if reply.has_error():
-                self.forget(cid, t, reason_of(reply) if reply.error.code == ErrorCode.NODE_UNAVAILABLE else None)
+                lost[cid] = reason_of(reply)
+                self.forget(cid, t - 1, lost[cid] if reply.error.code == ErrorCode.NODE_UNAVAILABLE else None)
             else:
+                replied += 1
                 yield cid, decode(reply.content) or None
         for message_id in set(cid_of) - answered:
-            self.forget(cid_of[message_id], t, f"no evaluation reply within {self.round_timeout:g}s")
+            lost[cid_of[message_id]] = f"no evaluation reply within {self.round_timeout:g}s"
+            self.forget(cid_of[message_id], t - 1, lost[cid_of[message_id]])
+        if replied < min(self.min_replies, len(cids)):
+            raise self.too_few(t - 1, f"{replied} of {len(cids)} clients answered its evaluation", lost)
 
     def send(
         self, t: int, cids: list[int], message_for: Callable[[int], dict[str, Any]], kind: str, extra: dict[str, Any]
