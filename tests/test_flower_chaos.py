@@ -85,13 +85,17 @@ def test_a_process_killed_at_a_random_moment_leaves_a_run_that_ends_as_if_it_nev
     run = tmp_path / "run"
     mark = f"{(run / 'flower').resolve()}|"
     sites = [a for site in SITES for a in ("--node-data", str(root / "data" / "clients" / site))]
-    process = deploy(["--out", str(run), "--tls", "--auth", "--round-timeout", "20", "--min-replies", "3", *sites, *FEDERATION, *SETTINGS],
+    process = deploy(["--out", str(run), "--tls", "--auth", "--round-timeout", "12", "--min-replies", "3", "--wait-nodes", "10", *sites, *FEDERATION, *SETTINGS],
                      tmp_path / "deploy")
+    rows, delay = rng.randint(0, 2), rng.uniform(0.0, 3.0)  # the moment: some time into round rows + 1
     deadline = time.monotonic() + 300
-    while process.poll() is None and not (targets := [p for p, argv in marked(mark).items() if program(argv) == victim]):
+    while process.poll() is None and not (
+        (targets := [p for p, argv in marked(mark).items() if program(argv) == victim])
+        and (rows == 0 or (run / "metrics.jsonl").is_file() and len(metrics(run)) >= rows)
+    ):
         assert time.monotonic() < deadline, f"no {victim} came up"
         time.sleep(0.05)
-    time.sleep(rng.uniform(0.0, 12.0))  # the run's 3 rounds take about 10 s
+    time.sleep(delay)
     if process.poll() is None and targets:
         pid, start = rng.choice(sorted(targets))
         try:

@@ -152,7 +152,7 @@ def test_early_exit_shows_log_tail(tmp_path: Path) -> None:
     for name in FLWR_EXECUTABLES:
         (bin_dir / name).write_text("#!/bin/sh\necho 'boom: cannot start'\nexit 3\n")
         (bin_dir / name).chmod(0o755)
-    with pytest.raises(FlowerLaunchError, match="superlink exited while starting") as err:
+    with pytest.raises(FlowerLaunchError, match="superlink exited with status 3 while starting") as err:
         LocalDeployment(tmp_path / "deploy", 1, python_bin_dir=bin_dir).start()
     assert "boom: cannot start" in str(err.value)
     assert str(tmp_path / "deploy" / "logs" / "superlink.log") in str(err.value)

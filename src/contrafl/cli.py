@@ -325,13 +325,15 @@ def cmd_deploy(ns: argparse.Namespace) -> int:
     """``contrafl deploy [CONFIG] KEY=VALUE...``: the run on a local Flower deployment.
     Every input is checked (and the run directory written) before anything is printed."""
     try:
-        from .flower.deploy import Settings, check_hosts, check_node_data, check_settings, commands, deploy, prepare_run
+        from .flower.deploy import LOCAL_WAIT_NODES_S, Settings, check_hosts, check_node_data, check_settings, commands, deploy, prepare_run
     except ImportError as exc:
         raise ContraflError(str(exc)) from None
     from .engine.run_dir import default_run_dir, read_summary
 
     if ns.server_host and not ns.prepare_only:
         raise ConfigError("--server-host is for --prepare-only (a deployment of your own); contrafl deploy's own SuperLink is 127.0.0.1")
+    if ns.wait_nodes is not None and not ns.wait_nodes >= 0:
+        raise ConfigError(f"--wait-nodes {ns.wait_nodes:g} must be a number of seconds, 0 or more")
     if ns.supernode_poll is not None and not ns.supernode_poll > 0:
         raise ConfigError(f"--supernode-poll {ns.supernode_poll:g} must be a positive number of seconds (3 waits as long as Flower's own SuperNode)")
     if ns.resume:
@@ -344,7 +346,7 @@ def cmd_deploy(ns: argparse.Namespace) -> int:
             raise ConfigError(f"--resume {path}: no config.yaml there; give the directory of a run started with contrafl deploy")
         cfg = load_config(path / "config.yaml")
         asked = {"tls": ns.tls, "auth": ns.auth, "secure_aggregation": ns.secure_aggregation, "round_timeout": ns.round_timeout,
-                 "min_replies": ns.min_replies, "supernode_poll": ns.supernode_poll}
+                 "min_replies": ns.min_replies, "wait_nodes": ns.wait_nodes, "supernode_poll": ns.supernode_poll}
         settings = Settings.read(path).resumed(path, asked, ns.allow_weaker_security)
         if settings.auth and not settings.tls:
             if ns.tls is False:
@@ -361,6 +363,7 @@ def cmd_deploy(ns: argparse.Namespace) -> int:
         settings = Settings(
             tls=tls, auth=auth, secure_aggregation=secure, min_replies=ns.min_replies if ns.min_replies is not None else min(3, cfg.num_clients) if secure else 1,
             round_timeout=Settings.round_timeout if ns.round_timeout is None else ns.round_timeout,
+            wait_nodes=ns.wait_nodes if ns.wait_nodes is not None else Settings.wait_nodes if ns.prepare_only else LOCAL_WAIT_NODES_S,
             supernode_poll=Settings.supernode_poll if ns.supernode_poll is None else ns.supernode_poll, node_data=tuple(ns.node_data or ()),
         )
     check_settings(cfg, settings.round_timeout, settings.min_replies, settings.secure_aggregation)
@@ -368,7 +371,7 @@ def cmd_deploy(ns: argparse.Namespace) -> int:
         check_hosts(ns.server_host or (), settings.tls)
         check_node_data(cfg, settings.node_data, required=False)
         cfg = prepare_run(cfg, path)
-        print(commands(path, cfg, settings.round_timeout, settings.min_replies, server_hosts=ns.server_host or (), tls=settings.tls,
+        print(commands(path, cfg, settings.round_timeout, settings.min_replies, settings.wait_nodes, server_hosts=ns.server_host or (), tls=settings.tls,
                        auth=settings.auth, secure_aggregation=settings.secure_aggregation, node_data=settings.node_data))
         return 0
     check_node_data(cfg, settings.node_data, required=True)
@@ -762,6 +765,9 @@ def build_parser() -> argparse.ArgumentParser:
     dep.add_argument("--min-replies", type=int, default=None, metavar="N",
                      help="the fewest replies a round needs after the timeout; fewer stop the run, resumable "
                           "(default 1; 3 with --secure-aggregation, the fewest a secure sum takes; --resume: the run's own)")
+    dep.add_argument("--wait-nodes", type=float, default=None, metavar="S",
+                     help="seconds a round waits for the SuperNode of a client whose node the server has not seen yet (default 30 "
+                          "on this machine, whose SuperNodes are up before the run starts; 120 with --prepare-only; --resume: the run's own)")
     dep.add_argument("--supernode-poll", type=float, default=None, metavar="S",
                      help="the SuperNodes' longest wait between their pulls of messages, in seconds (default 0.2; "
                           "Flower's own SuperNode waits 3 s, a second and a half per message on average)")

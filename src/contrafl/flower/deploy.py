@@ -129,6 +129,10 @@ def check_node_data(cfg: Config, node_data: Sequence[str], required: bool) -> No
             raise ConfigError(f"--node-data {where} (client {k}) does not exist; give the path of that client's data")
 
 
+LOCAL_WAIT_NODES_S = 30.0
+"""``wait_nodes`` of a deployment on this machine: :func:`deploy` starts the run once
+every SuperNode is up, so a client without a node after that long will not get one."""
+
 SETTINGS = "deployment.json"
 """The file in a run directory's ``flower/`` folder that records its deployment's settings."""
 
@@ -327,7 +331,7 @@ SUPEREXEC_HOST = "127.0.0.1"
 
 
 def commands(
-    path: Path, cfg: Config, round_timeout: float = 600.0, min_replies: int = 1, *,
+    path: Path, cfg: Config, round_timeout: float = 600.0, min_replies: int = 1, wait_nodes: float = 120.0, *,
     server_hosts: Sequence[str] = (), tls: bool = False, auth: bool = False, secure_aggregation: bool = False,
     node_data: Sequence[str] = (),
 ) -> str:
@@ -351,7 +355,7 @@ def commands(
     check_hosts(server_hosts, tls)
     path = Path(path).resolve()
     rc = path / "flower-run.toml"
-    rc.write_text(toml_document(run_config(path, round_timeout, min_replies, secure_aggregation=secure_aggregation)))
+    rc.write_text(toml_document(run_config(path, round_timeout, min_replies, wait_nodes, secure_aggregation=secure_aggregation)))
     server = server_hosts[0] if server_hosts else "SERVER"
     address = f"[{server}]:{SUPERLINK_PORT}" if ":" in server else f"{server}:{SUPERLINK_PORT}"
     check_node_data(cfg, node_data, required=False)

@@ -38,7 +38,12 @@ Processes are started in their own sessions (``start_new_session=True``) and sig
 group. flwr starts the SuperLink's ``flower-superexec`` in a session of its own, so the
 children of every process are also collected from ``/proc`` before it is signalled, and
 :meth:`LocalDeployment.stop` ends every one of them (SIGTERM, then SIGKILL after a grace
-period).
+period), and then whatever still carries the deployment's mark in its environment
+(:mod:`contrafl.flower.lifetime`: a ServerApp whose SuperLink was killed is no longer
+anybody's child). The processes it starts die with the thread that started them
+(``PR_SET_PDEATHSIG``), so a deployment is started, used and stopped from one thread
+that outlives it. While a run goes on, :meth:`LocalDeployment.run` watches the
+SuperLink and the run's ServerApp, and raises :class:`DeploymentDied` when one dies.
 """
 
 from __future__ import annotations
@@ -99,7 +104,7 @@ class DeploymentDied(FlowerLaunchError):
 
 #: Seconds that ``flwr run`` may go on after its ServerApp process is gone before the
 #: ServerApp counts as dead (a ServerApp that ends its run exits a moment before).
-SERVERAPP_GRACE_S = 10.0
+SERVERAPP_GRACE_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -647,7 +652,7 @@ class LocalDeployment:
         deadline = time.monotonic() + self.start_timeout
         while True:
             if not self._superlink.running():
-                raise self._superlink.failure("exited while starting")
+                raise self._superlink.failure(f"{self._superlink.death()} while starting")
             try:
                 with socket.create_connection((self.host, self.port), timeout=1.0):
                     pass
@@ -675,7 +680,7 @@ class LocalDeployment:
                     self.node_ids[i] = int(match.group(1))
                     pending.remove(i)
                 elif not node.running():
-                    raise node.failure("exited while starting")
+                    raise node.failure(f"{node.death()} while starting")
             if pending and time.monotonic() > deadline:
                 raise self._nodes[pending[0]].failure(
                     f"did not register with the SuperLink at {self.address} within "
@@ -802,8 +807,12 @@ class LocalDeployment:
         return int(self._flwr_json("supernode", "register", str(public_key), CONNECTION)["node-id"])
 
     def _register_keys(self) -> None:
-        for key in self.keys:
-            self.register(key.public)
+        """Register every SuperNode's public key, all at once (each ``flwr`` command
+        spends a second importing flwr)."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(max_workers=min(len(self.keys), 8) or 1) as pool:
+            list(pool.map(self.register, [key.public for key in self.keys]))
 
     def list_nodes(self) -> list[dict]:
         """The SuperLink's node list (``flwr supernode ls --format json``): dicts with
