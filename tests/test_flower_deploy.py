@@ -175,7 +175,7 @@ def test_contrafl_deploy_with_tls_equals_the_simulator(tmp_path, capsys):
     assert out.count("completed") == 1 and "contrafl: completed after 1 round; results in" in out
     assert (tmp_path / "flower-run" / "flower" / "certs").is_dir()
     states = sorted(p.relative_to(tmp_path / "flower-run" / "flower-clients").as_posix() for p in (tmp_path / "flower-run" / "flower-clients").rglob("*"))
-    assert states == ["client-0", "client-0/round-1.pt", "client-1", "client-1/round-1.pt"]
+    assert states == ["client-0", "client-0/data.json", "client-0/round-1.pt", "client-1", "client-1/data.json", "client-1/round-1.pt"]
     with torch_threads(shared_cores(2)[0]["threads"]):  # each client's threads in the deployment
         assert main(["run", "--quiet", "--out", str(tmp_path / "sim"), *settings]) == 0
     assert (tmp_path / "sim" / "metrics.jsonl").read_text() == (tmp_path / "flower-run" / "metrics.jsonl").read_text()

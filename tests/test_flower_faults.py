@@ -143,7 +143,7 @@ def test_a_client_killed_in_a_round_is_lost_and_rejoins_with_its_state(tmp_path)
     rows = metrics(run)
     missed = [t for t, row in enumerate(rows) if row.get("lost")]
     assert [[lost["client"] for lost in rows[t]["lost"]] for t in missed] == [[2]] * len(missed)
-    assert missed == list(range(1, 1 + len(missed))) and len(missed) <= 3, missed  # rounds 2.., back by round 5
+    assert missed == list(range(1, 1 + len(missed))) and missed[-1] < 5, missed  # lost from round 2 on, back by round 6
     reason = rows[1]["lost"][0]["reason"]  # whichever comes first: the round's timeout or Flower's verdict on the node
     assert "no reply within 15s" in reason or reason.startswith("error 5: Error: Node Unavailable"), reason
     for t in missed[1:]:

@@ -389,6 +389,13 @@ def cmd_deploy(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _switch(parser: argparse.ArgumentParser, on: str, off: str, dest: str, on_help: str, off_help: str) -> None:
+    """Options ``on`` and ``off`` that set ``dest`` to True or False (None: neither given)."""
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument(on, dest=dest, action="store_true", default=None, help=on_help)
+    group.add_argument(off, dest=dest, action="store_false", help=off_help)
+
+
 def deploy_security(ns: argparse.Namespace) -> tuple[bool, bool]:
     """``(tls, auth)`` of ``contrafl deploy``: TLS and SuperNode authentication are on by
     default for several machines (``--prepare-only``) and off on this one; ``--auth``
@@ -741,24 +748,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     dep.add_argument("args", nargs="*", metavar="[CONFIG] KEY=VALUE", help="config file and overrides")
     dep.add_argument("--out", metavar="DIR", help="run directory (default: runs/<time>-<algorithm>-<dataset>)")
-    security = dep.add_mutually_exclusive_group()
-    security.add_argument("--tls", action="store_true", default=None,
-                          help="serve the SuperLink over TLS, with certificates made in the run directory's flower/certs "
-                               "(for 127.0.0.1; with --prepare-only, for the --server-host names); the default with --prepare-only")
-    security.add_argument("--insecure", dest="tls", action="store_false",
-                          help="no TLS (the default on this machine; with --prepare-only, only on a network you trust)")
-    auth = dep.add_mutually_exclusive_group()
-    auth.add_argument("--auth", action="store_true", default=None,
-                      help="SuperNode authentication: only SuperNodes whose key pair the run made (flower/keys) may join; "
-                           "needs TLS; the default with --prepare-only")
-    auth.add_argument("--no-auth", dest="auth", action="store_false",
-                      help="any SuperNode that reaches the SuperLink may join (the default on this machine)")
-    secagg = dep.add_mutually_exclusive_group()
-    secagg.add_argument("--secure-aggregation", action="store_true", default=None,
-                        help="train through Flower's SecAgg+: the server sees only the sample-weighted mean of the clients' "
-                             "updates (up to the protocol's quantisation); algorithms whose server needs single updates refuse it")
-    secagg.add_argument("--no-secure-aggregation", dest="secure_aggregation", action="store_false",
-                        help="no secure aggregation (the default; with --resume of a run that had it, only with --allow-weaker-security)")
+    _switch(dep, "--tls", "--insecure", "tls",
+            "serve the SuperLink over TLS, with certificates made in the run directory's flower/certs "
+            "(for 127.0.0.1; with --prepare-only, for the --server-host names); the default with --prepare-only",
+            "no TLS (the default on this machine; with --prepare-only, only on a network you trust)")
+    _switch(dep, "--auth", "--no-auth", "auth",
+            "SuperNode authentication: only SuperNodes whose key pair the run made (flower/keys) may join; "
+            "needs TLS; the default with --prepare-only",
+            "any SuperNode that reaches the SuperLink may join (the default on this machine)")
+    _switch(dep, "--secure-aggregation", "--no-secure-aggregation", "secure_aggregation",
+            "train through Flower's SecAgg+: the server sees only the sample-weighted mean of the clients' "
+            "updates (up to the protocol's quantisation); algorithms whose server needs single updates refuse it",
+            "no secure aggregation (the default; with --resume of a run that had it, only with --allow-weaker-security)")
     dep.add_argument("--round-timeout", type=float, default=None, metavar="S",
                      help="seconds a round waits for replies before the missing clients count as lost (default 600; "
                           "--resume: the run's own)")

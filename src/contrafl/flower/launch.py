@@ -348,8 +348,8 @@ _EXIT_NOTICE = re.compile(
 
 def echoed(line: str, terminal: bool) -> str | None:
     """A line of ``flwr run``'s output as :func:`_wait` echoes it: without flwr's colour
-    codes unless it goes to a ``terminal``; None for a log line without a message (flwr
-    logs an empty one after the ServerApp's output), for an empty line and for flwr's exit-code notice
+    codes unless it goes to a ``terminal``; None for an empty line, a log line without a
+    message (flwr logs one after the ServerApp's output) and flwr's exit-code notice
     after a ServerApp's error (which contrafl's ServerApp said in one line before)."""
     plain = _COLOUR.sub("", line)
     if _BARE_LEVEL.fullmatch(plain.rstrip("\n")) or _EXIT_NOTICE.fullmatch(plain.rstrip("\n")) or not plain.strip():

@@ -197,10 +197,10 @@ class GridTransport:
         seen yet, but not for offline clients (unless a node that came online has not
         said yet which client it serves: a restarted SuperNode), nor for clients whose
         online nodes have all answered and cannot serve them; a client whose known node
-        the SuperLink no longer lists (its heartbeats stopped) goes offline. Nodes not seen before are
-        asked which partition they serve (a query message); their answers are
-        collected as they come, so a node that never answers (it died) delays
-        nothing."""
+        the SuperLink no longer lists (its heartbeats stopped) goes offline. Nodes not
+        seen before are asked which partition they serve (a query message); their
+        answers are collected as they come, so a node that never answers (it died)
+        delays nothing."""
         deadline = time.monotonic() + self.wait_nodes
         while True:
             online = self.look_for_nodes(force=True)
