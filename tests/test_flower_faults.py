@@ -128,7 +128,7 @@ def test_a_client_killed_in_a_round_is_lost_and_rejoins_with_its_state(tmp_path)
     replies, and from the next round on the restarted SuperNode trains its client from
     the state it kept on disk (MOON's previous local model). The global model is that
     of a replay in which client 2 kept its state and skipped the rounds it missed."""
-    settings = ["algorithm=moon", *COMMON, "rounds=6"]
+    settings = ["algorithm=moon", *COMMON, "rounds=8"]  # rounds without client 2 take 2 s: its restart may span a few
     run = tmp_path / "flower-run"
     prepare_run(load_config(None, settings), run)
     with LocalDeployment(tmp_path / "flower", CLIENTS, supernode_poll=0.2) as deployment:
@@ -143,15 +143,15 @@ def test_a_client_killed_in_a_round_is_lost_and_rejoins_with_its_state(tmp_path)
     rows = metrics(run)
     missed = [t for t, row in enumerate(rows) if row.get("lost")]
     assert [[lost["client"] for lost in rows[t]["lost"]] for t in missed] == [[2]] * len(missed)
-    assert missed == list(range(1, 1 + len(missed))) and missed[-1] < 5, missed  # lost from round 2 on, back by round 6
+    assert missed == list(range(1, 1 + len(missed))) and missed[-1] < 7, missed  # lost from round 2 on, back by round 8
     reason = rows[1]["lost"][0]["reason"]  # whichever comes first: the round's timeout or Flower's verdict on the node
     assert "no reply within 15s" in reason or reason.startswith("error 5: Error: Node Unavailable"), reason
     for t in missed[1:]:
         assert rows[t]["lost"][0]["reason"] == f"offline: {reason} in round 2; left out until its SuperNode is back", rows[t]
-    assert [s["seconds"] < 15 for s in map(json.loads, (run / "timing.jsonl").read_text().splitlines())][2:] == [True] * 4
+    assert [s["seconds"] < 15 for s in map(json.loads, (run / "timing.jsonl").read_text().splitlines())][2:] == [True] * 6
     log = outcome[0].log_path.read_text()
     assert log.count("client 2 lost:") == 1 and "client 2 is back (SuperNode" in log, log
-    assert sorted((run / "flower-clients" / "client-2").iterdir())[-1].name == "round-6.pt"
+    assert sorted((run / "flower-clients" / "client-2").iterdir())[-1].name == "round-8.pt"
     sim = replay(tmp_path / "replay", settings, absent={t: {2} for t in missed})
     assert [r["test_acc"] for r in sim.history] == [r["test_acc"] for r in rows]
     for k, v in final_model(tmp_path / "replay").items():
