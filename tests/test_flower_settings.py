@@ -46,12 +46,12 @@ def test_a_resume_that_would_drop_a_security_setting_is_refused_in_one_line(tmp_
 
 def test_a_resume_keeps_what_is_not_given_and_takes_what_is():
     recorded = Settings(tls=True, auth=True, secure_aggregation=True, round_timeout=90.0, min_replies=3, node_data=("a", "b", "c"))
-    assert recorded.resumed("run", {"tls": None, "auth": None, "round_timeout": None}, False) == recorded
-    assert recorded.resumed("run", {"round_timeout": 30.0, "min_replies": 4}, False) == Settings(
+    assert recorded.overridden("run", {"tls": None, "auth": None, "round_timeout": None}, False) == recorded
+    assert recorded.overridden("run", {"round_timeout": 30.0, "min_replies": 4}, False) == Settings(
         tls=True, auth=True, secure_aggregation=True, round_timeout=30.0, min_replies=4, node_data=("a", "b", "c"))
-    weaker = recorded.resumed("run", {"tls": False, "auth": False}, True)
+    weaker = recorded.overridden("run", {"tls": False, "auth": False}, True)
     assert not weaker.tls and not weaker.auth and weaker.secure_aggregation
-    assert Settings().resumed("run", {"tls": True, "secure_aggregation": True}, False) == Settings(tls=True, secure_aggregation=True)
+    assert Settings().overridden("run", {"tls": True, "secure_aggregation": True}, False) == Settings(tls=True, secure_aggregation=True)
 
 
 def test_settings_round_trip_and_a_run_deployed_before_they_were_recorded(tmp_path):

@@ -336,6 +336,7 @@ def cmd_deploy(ns: argparse.Namespace) -> int:
         raise ConfigError(f"--wait-nodes {ns.wait_nodes:g} must be a number of seconds, 0 or more")
     if ns.supernode_poll is not None and not ns.supernode_poll > 0:
         raise ConfigError(f"--supernode-poll {ns.supernode_poll:g} must be a positive number of seconds (3 waits as long as Flower's own SuperNode)")
+    given = {"round_timeout": ns.round_timeout, "min_replies": ns.min_replies, "wait_nodes": ns.wait_nodes, "supernode_poll": ns.supernode_poll}
     if ns.resume:
         if ns.args or ns.out or ns.prepare_only:
             raise ConfigError("contrafl deploy --resume RUN_DIR takes no config, KEY=VALUE, --out or --prepare-only: the run keeps its own config.yaml")
@@ -345,9 +346,8 @@ def cmd_deploy(ns: argparse.Namespace) -> int:
         if not (path / "config.yaml").is_file():
             raise ConfigError(f"--resume {path}: no config.yaml there; give the directory of a run started with contrafl deploy")
         cfg = load_config(path / "config.yaml")
-        asked = {"tls": ns.tls, "auth": ns.auth, "secure_aggregation": ns.secure_aggregation, "round_timeout": ns.round_timeout,
-                 "min_replies": ns.min_replies, "wait_nodes": ns.wait_nodes, "supernode_poll": ns.supernode_poll}
-        settings = Settings.read(path).resumed(path, asked, ns.allow_weaker_security)
+        security = {"tls": ns.tls, "auth": ns.auth, "secure_aggregation": ns.secure_aggregation}
+        settings = Settings.read(path).overridden(path, {**security, **given}, ns.allow_weaker_security)
         if settings.auth and not settings.tls:
             if ns.tls is False:
                 raise ConfigError("--auth needs TLS (flwr 1.41 refuses SuperNode authentication with --insecure); drop --insecure")
@@ -361,11 +361,9 @@ def cmd_deploy(ns: argparse.Namespace) -> int:
         tls, auth = deploy_security(ns)
         secure = bool(ns.secure_aggregation)
         settings = Settings(
-            tls=tls, auth=auth, secure_aggregation=secure, min_replies=ns.min_replies if ns.min_replies is not None else min(3, cfg.num_clients) if secure else 1,
-            round_timeout=Settings.round_timeout if ns.round_timeout is None else ns.round_timeout,
-            wait_nodes=ns.wait_nodes if ns.wait_nodes is not None else Settings.wait_nodes if ns.prepare_only else LOCAL_WAIT_NODES_S,
-            supernode_poll=Settings.supernode_poll if ns.supernode_poll is None else ns.supernode_poll, node_data=tuple(ns.node_data or ()),
-        )
+            tls=tls, auth=auth, secure_aggregation=secure, min_replies=min(3, cfg.num_clients) if secure else 1,
+            wait_nodes=Settings.wait_nodes if ns.prepare_only else LOCAL_WAIT_NODES_S, node_data=tuple(ns.node_data or ()),
+        ).overridden(path, given, weaker_allowed=False)
     check_settings(cfg, settings.round_timeout, settings.min_replies, settings.secure_aggregation)
     if ns.prepare_only:
         check_hosts(ns.server_host or (), settings.tls)

@@ -189,11 +189,11 @@ class Settings:
             raise ConfigError(f"--resume {path}: {file} is not a deployment's settings ({exc}); resume with the settings given again, after removing it") from None
         return settings
 
-    def resumed(self, path: Path, asked: dict[str, Any], weaker_allowed: bool) -> Settings:
-        """The settings of a resume of the run ``path`` deployed with these: ``asked``
-        (the options given, None where not) over the recorded ones. Dropping a security
-        setting is refused (:class:`ConfigError`, one line naming it) unless
-        ``weaker_allowed``."""
+    def overridden(self, path: Path, asked: dict[str, Any], weaker_allowed: bool) -> Settings:
+        """These settings (the recorded ones of the run ``path``, or a new run's
+        defaults) with ``asked`` over them (the options given, None where not).
+        Dropping a security setting is refused (:class:`ConfigError`, one line naming
+        it) unless ``weaker_allowed``."""
         for name, (what, option) in self.SECURITY.items():
             if getattr(self, name) and asked.get(name) is False and not weaker_allowed:
                 raise ConfigError(
@@ -281,16 +281,14 @@ def record_stop(path: Path, rounds: int, exc: BaseException) -> BaseException:
     summary = read_summary(path)
     done = rounds_done(path)
     resume = f"`contrafl deploy --resume {path}`"
+    when = f"after round {done} of {rounds}" if done else f"before round 1 of {rounds}"
     if isinstance(exc, KeyboardInterrupt):
-        status, why = "interrupted", f"contrafl deploy was interrupted after round {done} of {rounds}; continue with {resume}"
-        if not done:
-            why = why.replace(f"after round 0 of {rounds}", f"before round 1 of {rounds}")
+        status, why = "interrupted", f"contrafl deploy was interrupted {when}; continue with {resume}"
     elif summary.get("status") == "failed" and not isinstance(exc, DeploymentDied) and summary.get("error"):
         why = re.sub(r"^\w+(Error|Gone): ", "", summary["error"])  # the summary's "Type: message"
         return ContraflError(f"{why} (round {done + 1} of {rounds}; once that is fixed, continue with {resume})")
     else:
         what = exc.what if isinstance(exc, DeploymentDied) else f"the Flower deployment stopped ({str(exc).splitlines()[0]})"
-        when = f"after round {done} of {rounds}" if done else f"before round 1 of {rounds}"
         status, why = "failed", f"{what} {when}; continue from its last checkpoint with {resume}"
     try:
         run_dir = RunDir(Path(path), resume=True)

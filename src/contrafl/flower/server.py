@@ -88,21 +88,10 @@ class GridTransport:
         needed = min(self.min_replies, len(cids))
         if len(cid_of) < needed:
             raise self.too_few(t, f"{len(cid_of)} of {len(cids)} clients have a SuperNode that can serve them", lost)
-        answered: set[str] = set()
         ok = 0
-        for reply in self.replies(list(cid_of), self.round_timeout):
-            message_id = reply.metadata.reply_to_message_id
-            answered.add(message_id)
-            cid = cid_of[message_id]
-            if reply.has_error():
-                lost[cid] = reason_of(reply)
-                self.forget(cid, t, lost[cid] if reply.error.code == ErrorCode.NODE_UNAVAILABLE else None)
-            else:
-                ok += 1  # a node that answered, if only that its client missed the deadline
-                yield outcome_of(cid, decode(reply.content))
-        for message_id in set(cid_of) - answered:
-            lost[cid_of[message_id]] = f"no reply within {self.round_timeout:g}s"
-            self.forget(cid_of[message_id], t, lost[cid_of[message_id]])
+        for cid, reply in self.answers(t, cid_of, lost, "reply"):
+            ok += 1  # a node that answered, if only that its client missed the deadline
+            yield outcome_of(cid, decode(reply.content))
         if ok < needed:
             raise self.too_few(t, f"{ok} of {len(cids)} clients replied", lost)
         if cids and not ok:
@@ -142,22 +131,30 @@ class GridTransport:
         every exchange of a round, so that a run never goes on with an evaluation of
         fewer clients than it asks for."""
         cid_of, lost = self.send(t, cids, message_for, MessageType.EVALUATE, extra)
-        answered: set[str] = set()
         replied = 0
+        for cid, reply in self.answers(t - 1, cid_of, lost, "evaluation reply"):
+            replied += 1
+            yield cid, decode(reply.content) or None
+        if replied < min(self.min_replies, len(cids)):
+            raise self.too_few(t - 1, f"{replied} of {len(cids)} clients answered its evaluation", lost)
+
+    def answers(self, t: int, cid_of: dict[str, int], lost: dict[int, str], what: str) -> Iterator[tuple[int, Message]]:
+        """``(cid, reply)`` of the replies without error to the messages ``cid_of`` of
+        round ``t``, as they arrive; the other clients go to ``lost`` with why (their
+        error, or no ``what`` within ``round_timeout``) and their nodes are forgotten:
+        offline when they stopped answering (no reply, or Flower's node unavailable)."""
+        answered: set[str] = set()
         for reply in self.replies(list(cid_of), self.round_timeout):
             answered.add(reply.metadata.reply_to_message_id)
             cid = cid_of[reply.metadata.reply_to_message_id]
             if reply.has_error():
                 lost[cid] = reason_of(reply)
-                self.forget(cid, t - 1, lost[cid] if reply.error.code == ErrorCode.NODE_UNAVAILABLE else None)
+                self.forget(cid, t, lost[cid] if reply.error.code == ErrorCode.NODE_UNAVAILABLE else None)
             else:
-                replied += 1
-                yield cid, decode(reply.content) or None
+                yield cid, reply
         for message_id in set(cid_of) - answered:
-            lost[cid_of[message_id]] = f"no evaluation reply within {self.round_timeout:g}s"
-            self.forget(cid_of[message_id], t - 1, lost[cid_of[message_id]])
-        if replied < min(self.min_replies, len(cids)):
-            raise self.too_few(t - 1, f"{replied} of {len(cids)} clients answered its evaluation", lost)
+            lost[cid_of[message_id]] = f"no {what} within {self.round_timeout:g}s"
+            self.forget(cid_of[message_id], t, lost[cid_of[message_id]])
 
     def send(
         self, t: int, cids: list[int], message_for: Callable[[int], dict[str, Any]], kind: str, extra: dict[str, Any]

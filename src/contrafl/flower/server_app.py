@@ -10,9 +10,8 @@ The ServerApp ends with its SuperLink: flwr's SuperExec, which started it, exits
 its SuperLink does; the ServerApp sees its parent change, records the run as
 ``failed`` in ``summary.json`` (with the last round it completed) and exits. It would
 otherwise wait for the SuperLink forever (flwr retries without end), holding the run
-directory's lock. A user
-error (too few replies, a diverged model) ends the run with one line in the log, not a
-traceback.
+directory's lock. A user error (too few replies, a diverged model) ends the run with one
+line in the log, not a traceback.
 """
 
 from __future__ import annotations
