@@ -139,6 +139,19 @@ def test_local_steps_give_the_round_its_progress_and_remake_the_eta_early():
     ]
 
 
+def test_the_wait_for_clients_to_come_up_is_not_the_runs_pace():
+    """A deployment's round 1 waits 30 s for its SuperNodes to load their clients, then
+    trains 10 s; the wait (told by the transport) leaves the seconds per round and the
+    ETA at the training's pace: 10 s a round, 3 rounds left after round 1."""
+    out, clock = io.StringIO(), FakeClock()
+    progress = Progress(4, out, clock=clock)
+    clock.now += 30.0
+    progress.waited(30.0)
+    clock.now += 10.0
+    progress.round_done({"round": 1})
+    assert out.getvalue().splitlines()[-1].endswith("10.0s/round ETA 0:00:30")
+
+
 def test_a_terminal_line_shows_steps_and_updates_at_most_every_LIVE_S():
     class Terminal(io.StringIO):
         def isatty(self) -> bool:

@@ -89,7 +89,7 @@ def test_a_process_killed_at_a_random_moment_leaves_a_run_that_ends_as_if_it_nev
     run = tmp_path / "run"
     mark = f"{(run / 'flower').resolve()}|"
     sites = [a for site in SITES for a in ("--node-data", str(root / "data" / "clients" / site))]
-    process = deploy(["--out", str(run), "--tls", "--auth", "--round-timeout", "12", "--min-replies", "3", "--wait-nodes", "10", *sites, *FEDERATION, *SETTINGS],
+    process = deploy(["--out", str(run), "--tls", "--auth", "--round-timeout", "12", "--min-replies", "3", *sites, *FEDERATION, *SETTINGS],
                      tmp_path / "deploy")
     rows, delay = rng.randint(0, 2), rng.uniform(0.0, 3.0)  # the moment: some time into round rows + 1
     deadline = time.monotonic() + 300

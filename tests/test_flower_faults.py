@@ -39,15 +39,20 @@ COMMON = [f"num_clients={CLIENTS}", "local_epochs=1", "executor=sequential", "ev
 
 class Replay:
     """The simulator's in-process clients with faults: ``absent`` ({round: clients}) are
-    lost in those rounds, ``faults`` ({client: "nan" | "shape"}) corrupt their replies."""
+    lost in those rounds, ``late`` ({round: clients}) train in them (their state moves
+    on) but are lost, ``faults`` ({client: "nan" | "shape"}) corrupt their replies."""
 
-    def __init__(self, sim: Simulation, absent: dict[int, set[int]] = {}, faults: dict[int, str] = {}) -> None:
-        self.sim, self.absent, self.faults = sim, absent, faults
+    def __init__(
+        self, sim: Simulation, absent: dict[int, set[int]] = {}, late: dict[int, set[int]] = {}, faults: dict[int, str] = {},
+    ) -> None:
+        self.sim, self.absent, self.late, self.faults = sim, absent, late, faults
 
     def train(self, t, cids, message_for, phases):
         gone = self.absent.get(t, set())
         for outcome in self.sim.train_locally(t, [c for c in cids if c not in gone], message_for, phases):
-            if outcome.cid in self.faults:
+            if outcome.cid in self.late.get(t, set()):
+                outcome = ClientOutcome(outcome.cid, None, lost="late")
+            elif outcome.cid in self.faults:
                 outcome.reply.payload = corrupt(outcome.reply.payload, self.faults[outcome.cid])
             yield outcome
         for cid in sorted(gone):
@@ -69,16 +74,20 @@ def final_model(path: Path) -> dict[str, torch.Tensor]:
     return torch.load(path / "checkpoint.pt", weights_only=False)["server"]["model"]
 
 
-def wait_for_rows(path: Path, n: int, thread: threading.Thread, timeout: float = 300.0, checkpointed: bool = False) -> list[dict]:
+def wait_for_rows(
+    path: Path, n: int, thread: threading.Thread, outcome: list, timeout: float = 300.0, checkpointed: bool = False,
+) -> list[dict]:
     """The metrics once the run has written ``n`` rounds (and, with ``checkpointed``, the
-    checkpoint of round ``n``: the metrics row comes before it)."""
+    checkpoint of round ``n``: the metrics row comes before it). Fails with the run's
+    outcome (``in_background``'s list) when it ended first."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and thread.is_alive():
         if (path / "metrics.jsonl").is_file() and len(rows := metrics(path)) >= n:
             if not checkpointed or read_summary(path).get("checkpointed_rounds", 0) >= n:
                 return rows
         time.sleep(0.05)
-    raise AssertionError(f"the run did not reach round {n}")
+    ended = f"the run ended: {outcome[0]}" if outcome else f"{timeout} s passed"
+    raise AssertionError(f"the run did not reach round {n}; {ended}")
 
 
 def in_background(deployment: LocalDeployment, app: Path, config: dict) -> tuple[threading.Thread, list]:
@@ -91,7 +100,7 @@ def in_background(deployment: LocalDeployment, app: Path, config: dict) -> tuple
         except FlowerLaunchError as exc:
             outcome.append(exc)
 
-    thread = threading.Thread(target=target)
+    thread = threading.Thread(target=target, daemon=True)
     thread.start()
     return thread, outcome
 
@@ -134,9 +143,9 @@ def test_a_client_killed_in_a_round_is_lost_and_rejoins_with_its_state(tmp_path)
     with LocalDeployment(tmp_path / "flower", CLIENTS, supernode_poll=0.2) as deployment:
         config = {**run_config(run, round_timeout=15, min_replies=2), "wait-nodes": 60.0}
         thread, outcome = in_background(deployment, APP_DIR, config)
-        wait_for_rows(run, 1, thread)
+        wait_for_rows(run, 1, thread, outcome)
         deployment.kill_node(2)
-        rows = wait_for_rows(run, 2, thread)
+        rows = wait_for_rows(run, 2, thread, outcome)
         deployment.restart_node(2)
         thread.join()
     assert not isinstance(outcome[0], Exception), outcome[0]
@@ -189,7 +198,7 @@ def test_a_server_killed_and_restarted_resumes_from_its_last_checkpoint(tmp_path
     exit_status: list[int] = []
     thread = threading.Thread(target=lambda: exit_status.append(main(["deploy", "--tls", "--round-timeout", "120", "--out", str(run), *settings])))
     thread.start()
-    wait_for_rows(run, 2, thread, checkpointed=True)
+    wait_for_rows(run, 2, thread, exit_status, checkpointed=True)
     pid = kill_superlink(run)
     thread.join()
     assert exit_status == [2]

@@ -119,9 +119,11 @@ def test_supernodes_that_do_not_fit_the_run_are_reported_once_and_left_out(tmp_p
 @pytest.mark.slow
 def test_every_round_needs_min_replies_whatever_keeps_the_clients_from_replying(tmp_path, capsys):
     """A round without any SuperNode stops the run (min_replies=1); min_replies=0 accepts
-    it, says so, and leaves the global model as it was. A client whose training fails
-    (the SuperNode's data-dir has no dataset files) counts as missing too: min_replies=3
-    stops the run, with the node's one-line reason."""
+    it, says so, and leaves the global model as it was. A client that cannot load its
+    data (the SuperNode's data-dir has no dataset files) counts as missing too, found when
+    the server first asks its SuperNode whom it serves (the answer comes once the client
+    is loaded): min_replies=3 stops the run before it trains, with the node's one-line
+    reason."""
     with pytest.raises(ContraflError, match=r"^round 1: 0 of 3 clients have a SuperNode that can serve them, fewer than min_replies=1 \(client 0: no SuperNode serves partition 0"):
         run_on(tmp_path / "none", {}, min_replies=1)
     capsys.readouterr()
@@ -145,7 +147,7 @@ def test_every_round_needs_min_replies_whatever_keeps_the_clients_from_replying(
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and err[0].startswith(f"contrafl: missing file {empty}/cifar-10-batches-py/")  # the node's log
     told = err[0].removeprefix("contrafl: ").replace(str(empty), "<data-dir>")  # the server is not told the site's paths
-    assert str(stopped.value).startswith(f"round 1: 2 of 3 clients replied, fewer than min_replies=3 (client 1: {told}); ")
+    assert str(stopped.value).startswith(f"round 1: 2 of 3 clients have a SuperNode that can serve them, fewer than min_replies=3 (client 1: {told}); ")
 
 
 class SlowNodes:

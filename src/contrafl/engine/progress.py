@@ -79,6 +79,13 @@ class Progress:
         self.before = rounds_done
         self.start = self.round_start = self.noted = self.now()
 
+    def waited(self, seconds: float) -> None:
+        """``seconds`` of the current round went to waiting for its clients to come up (a
+        deployment's SuperNodes start and load their clients): not the run's pace, so
+        left out of the ETAs and the seconds per round."""
+        self.start += seconds
+        self.round_start += seconds
+
     def eta(self) -> float:
         """Seconds left at this process's pace (0 before the first round)."""
         if not self.done:

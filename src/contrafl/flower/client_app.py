@@ -74,20 +74,19 @@ def evaluate(msg: Message, context: Context) -> Message:
 @app.query()
 def query(msg: Message, context: Context) -> Message:
     """The partition this SuperNode serves, and why it cannot serve it, if its node config
-    does not fit the run. A SuperNode that can serve it starts its worker, which loads the
-    client while the server gets ready."""
+    or its data do not fit the run. The answer comes once the client is loaded (by the
+    SuperNode's worker, which keeps it): the data, checked against the run, and the
+    model. So the server starts round 1 with clients that are ready, and no round's
+    ``round-timeout`` counts a client's start-up."""
     try:
         settings = NodeSettings.of(context)
         own = settings.check()
-        if own:  # the node's own data are checked before it is used: loaded, with the run's classes and shape
-            if settings.worker:
-                worker.request(settings, msg.metadata.message_type, RecordDict())
-            else:
-                from .client import FlowerClient
+        if settings.worker:
+            worker.request(settings, msg.metadata.message_type, RecordDict())
+        elif own:  # without a worker, the node's own data are still checked before they are used
+            from .client import FlowerClient
 
-                FlowerClient.of(settings)
-        elif settings.worker:
-            worker.start(settings)
+            FlowerClient.of(settings)
         problem = None
     except ContraflError as exc:
         problem = reported(exc, context)

@@ -30,6 +30,10 @@ from .node import USER_ERROR
 from .secagg import MIN_CLIENTS, REJECTED, SecureRound, request_fitins, round_refusal
 
 POLL_S = 0.2
+STALE_S = 10.0
+"""A train or evaluate message expires at the SuperLink ``round_timeout + STALE_S``
+seconds after it is made: a node that was away longer (its network down) does not get,
+when it is back, the work of a round the server has stopped waiting for."""
 
 
 class GridTransport:
@@ -38,7 +42,8 @@ class GridTransport:
     Args:
         grid: the ServerApp's grid.
         num_clients: the run's clients (``0..num_clients-1``, the partitions).
-        round_timeout: seconds a round (or an evaluation) waits for replies.
+        round_timeout: seconds a round (or an evaluation) waits for replies; its
+            messages expire at the SuperLink :data:`STALE_S` later.
         min_replies: the fewest replies a round needs (all the sampled clients when fewer
             are sampled), whatever keeps the others from replying (no SuperNode, a
             SuperNode that cannot serve its client, an error, no reply within
@@ -55,15 +60,19 @@ class GridTransport:
             waited for. A dead site thus costs one ``round_timeout``, once.
         checkpointed: the round of the server's last checkpoint, sent with each train
             message (the clients keep the state a server resuming from it needs).
+        waited: told the seconds a round waited for nodes to say whom they serve (the
+            SuperNodes start, their clients load): a progress that leaves them out of
+            its pace (:meth:`contrafl.engine.progress.Progress.waited`).
     """
 
     runtime = "flower"
 
     def __init__(
         self, grid: Grid, num_clients: int, round_timeout: float, min_replies: int, wait_nodes: float = 120.0,
-        checkpointed: Callable[[], int] = lambda: 0,
+        checkpointed: Callable[[], int] = lambda: 0, waited: Callable[[float], None] = lambda seconds: None,
     ) -> None:
         self.grid = grid
+        self.waited = waited
         self.num_clients = num_clients
         self.round_timeout = round_timeout
         self.min_replies = min_replies
@@ -163,7 +172,8 @@ class GridTransport:
         ``({message id: cid}, {client without a node: why})``."""
         node_of = self.nodes(cids)
         sent = [
-            (cid, Message(self.request(t, cid, message_for, extra), dst_node_id=node_of[cid], message_type=kind, group_id=str(t)))
+            (cid, Message(self.request(t, cid, message_for, extra), dst_node_id=node_of[cid], message_type=kind, group_id=str(t),
+                          ttl=self.round_timeout + STALE_S))
             for cid in cids
             if cid in node_of
         ]
@@ -198,8 +208,10 @@ class GridTransport:
         seen before are asked which partition they serve (a query message); their
         answers are collected as they come, so a node that never answers (it died)
         delays nothing."""
-        deadline = time.monotonic() + self.wait_nodes
+        began = time.monotonic()
+        deadline = began + self.wait_nodes
         while True:
+            expired = time.monotonic() > deadline  # the last look is taken after the deadline
             online = self.look_for_nodes(force=True)
             node_of = {cid: node for node, cid in self.partition_of.items() if node in online}
             for node, cid in list(self.partition_of.items()):
@@ -207,7 +219,9 @@ class GridTransport:
                     self.forget(cid, None, "its SuperNode went offline (the SuperLink missed its heartbeats)")
             loading = set(self.queries.values()) & online - self.suspect  # nodes up that have not said yet whom they serve
             unfit = {cid for node, (cid, _) in self.unfit.items() if node in online} if not loading else set()
-            if all(cid in node_of or cid in unfit or cid in self.offline and not loading for cid in cids) or time.monotonic() > deadline:
+            if all(cid in node_of or cid in unfit or cid in self.offline and not loading for cid in cids) or expired:
+                if time.monotonic() - began > POLL_S:
+                    self.waited(time.monotonic() - began)
                 return node_of
             time.sleep(POLL_S)
 

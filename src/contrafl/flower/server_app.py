@@ -50,7 +50,10 @@ class SuperLinkGone(BaseException):
 
 
 def _superlink_gone(signum: int, frame: object) -> None:
-    raise SuperLinkGone("the SuperLink stopped or died (the ServerApp's SuperExec exited); start it again, then resume the run")
+    raise SuperLinkGone(
+        "the SuperLink stopped or died (the ServerApp's SuperExec exited); start the SuperLink and the SuperNodes again, "
+        "then `flwr run` again: the run continues from its last checkpoint"
+    )
 
 
 def _watch_parent(parent: int) -> None:
@@ -103,12 +106,14 @@ def run(grid: Grid, context: Context) -> None:
         raise ContraflError(f"secure aggregation shows the server only the mean of the updates, but {why}; run without secure-aggregation")
     if run_dir.taken_over:
         print(f"contrafl: {run_dir.taken_over}", flush=True)
-    sim = resume(setup, run_dir, Progress(setup.config.rounds))
+    progress = Progress(setup.config.rounds)
+    sim = resume(setup, run_dir, progress)
     settings = (setup.config.num_clients, float(rc["round-timeout"]), int(rc["min-replies"]), float(rc["wait-nodes"]))
     if secure:
         largest = max(len(rows) for rows in setup.partition.train)
-        sim.transport = SecureTransport(grid, context, setup.config.seed, largest, *settings, checkpointed=lambda: sim.checkpointed)
+        sim.transport = SecureTransport(grid, context, setup.config.seed, largest, *settings, checkpointed=lambda: sim.checkpointed,
+                                        waited=progress.waited)
     else:
-        sim.transport = GridTransport(grid, *settings, checkpointed=lambda: sim.checkpointed)
+        sim.transport = GridTransport(grid, *settings, checkpointed=lambda: sim.checkpointed, waited=progress.waited)
     summary = sim.run()
     print(f"contrafl: {summary['status']} after {count(summary['rounds_completed'], 'round')}; results in {run_dir.path}")

@@ -1,7 +1,8 @@
-"""``contrafl-supernode``: Flower's ``flower-supernode`` (same arguments) with two of its
-waits removed: ClientApps run in one process that stays alive, and the SuperNode waits
-at most ``CONTRAFL_SUPERNODE_POLL_S`` seconds (default :data:`POLL_S`) between its pulls
-of messages from the SuperLink.
+"""``contrafl-supernode``: Flower's ``flower-supernode`` (same arguments) with some of its
+waits removed: ClientApps run in one process that stays alive, the SuperNode waits at
+most ``CONTRAFL_SUPERNODE_POLL_S`` seconds (default :data:`POLL_S`) between its pulls of
+messages from the SuperLink, and at most :data:`RETRY_S` between its attempts to reach a
+SuperLink it lost.
 
 - **Polling.** flwr 1.41's SuperNode sleeps 3 s whenever a pull finds no message (and
   0.5 s between its looks for a ClientApp's reply), both hard-coded in
@@ -18,6 +19,10 @@ of messages from the SuperLink.
   process, as ``flwr-clientapp`` does, one after another; Flower's ``flower-superexec``
   is kept for a runtime API with TLS certificates of its own
   (``--root-certificates``), and with ``CONTRAFL_SUPERNODE_RUNNER=0``.
+- **Reconnecting.** When the SuperLink cannot be reached (the site's network is down,
+  the SuperLink restarts), flwr retries with waits that double up to 20 s, so a site
+  whose network came back stayed away up to 20 s longer; here they stop doubling at
+  :data:`RETRY_S`.
 
 Nothing else changes: the arguments, the node config, the SuperLink connection and the
 messages are Flower's.
@@ -33,6 +38,8 @@ from functools import partial
 from types import SimpleNamespace
 
 POLL_S = 0.2
+RETRY_S = 5.0
+"""The longest wait between two attempts to reach the SuperLink (flwr's is 20 s)."""
 PULL_BACKOFF_S = (0.02, 0.5)
 """The first and the longest wait before asking again for a part of a message that is
 not there yet (flwr's are 1 s and 10 s): the SuperNode sees a message while the server
@@ -76,9 +83,11 @@ def main() -> None:
     from . import require_flwr
 
     require_flwr()
+    from flwr.supercore.retry import http_retry
     from flwr.supernode import start_client_internal as loop
     from flwr.supernode.cli import flower_supernode
 
+    http_retry.MAX_RETRY_DELAY = RETRY_S
     loop.time = capped_time(poll_s)
     loop.pull_objects = partial(loop.pull_objects, initial_backoff=PULL_BACKOFF_S[0], backoff_cap=PULL_BACKOFF_S[1])
     if os.environ.get("CONTRAFL_SUPERNODE_RUNNER", "1") != "0":

@@ -1,8 +1,13 @@
 """contrafl's ClientApp whose train replies a Flower mod corrupts when the SuperNode's
 node config has ``fault``: ``"nan"`` puts a NaN into the first floating tensor of the
-payload, ``"shape"`` drops the last row of that tensor."""
+payload, ``"shape"`` drops the last row of that tensor; with ``pace`` (a file's path) it
+sleeps the seconds the file holds, if it is there, before it trains: the rounds last
+at least that long on any machine, for as long as the test wants."""
 
 from __future__ import annotations
+
+import time
+from pathlib import Path
 
 import torch
 from flwr.app import Context, Message, MessageType
@@ -25,6 +30,9 @@ def corrupt(payload, fault: str):
 
 
 def fault_mod(msg: Message, context: Context, call_next) -> Message:
+    pace = Path(str(context.node_config.get("pace", "")))
+    if msg.metadata.message_type == MessageType.TRAIN and pace.is_file():
+        time.sleep(float(pace.read_text() or 0))
     reply = call_next(msg, context)
     fault = context.node_config.get("fault")
     if fault and msg.metadata.message_type == MessageType.TRAIN and not reply.has_error():

@@ -1,0 +1,1 @@
+"""The floor of Flower's message path (benchmarks/flower_overhead.py)."""
