@@ -1,7 +1,8 @@
-"""ServerApp: ``num-rounds`` rounds that send the arrays of the ``.npz`` file ``arrays``
-(one Array each, as contrafl sends a model) to every node and wait for their replies,
-pulling every 0.2 s as contrafl's ServerApp does; the seconds of each round go to
-``out`` as JSON."""
+"""ServerApp: ``num-rounds`` rounds of ``exchanges`` exchanges each (a train round with
+federated evaluation has two); an exchange sends the arrays of the ``.npz`` file
+``arrays`` (one Array each, as contrafl sends a model) to every node and waits for their
+replies, pulling every 0.2 s as contrafl's ServerApp does. The seconds of each round go
+to ``out`` as JSON."""
 
 import json
 import time
@@ -29,20 +30,21 @@ def main(grid: Grid, context: Context) -> None:
     seconds = []
     for rnd in range(1, int(cfg["num-rounds"]) + 1):
         began = time.monotonic()
-        messages = [
-            Message(RecordDict({"arrays": ArrayRecord({k: Array(v) for k, v in arrays.items()}),
-                                "config": ConfigRecord({"round": rnd})}),
-                    dst_node_id=node, message_type=MessageType.TRAIN, group_id=str(rnd))
-            for node in nodes
-        ]
-        pending = set(grid.push_messages(messages))
-        while pending:
-            for reply in grid.pull_messages(pending):
-                if reply.has_error():
-                    raise RuntimeError(f"round {rnd}: {reply.error.reason}")
-                pending.discard(reply.metadata.reply_to_message_id)
-            if pending:
-                time.sleep(POLL_S)
+        for _ in range(int(cfg["exchanges"])):
+            messages = [
+                Message(RecordDict({"arrays": ArrayRecord({k: Array(v) for k, v in arrays.items()}),
+                                    "config": ConfigRecord({"round": rnd})}),
+                        dst_node_id=node, message_type=MessageType.TRAIN, group_id=str(rnd))
+                for node in nodes
+            ]
+            pending = set(grid.push_messages(messages))
+            while pending:
+                for reply in grid.pull_messages(pending):
+                    if reply.has_error():
+                        raise RuntimeError(f"round {rnd}: {reply.error.reason}")
+                    pending.discard(reply.metadata.reply_to_message_id)
+                if pending:
+                    time.sleep(POLL_S)
         seconds.append(time.monotonic() - began)
         print(f"[floor] round {rnd}: {seconds[-1]:.2f} s", flush=True)
     Path(str(cfg["out"])).write_text(json.dumps({"seconds": seconds}))
