@@ -220,8 +220,8 @@ class GridTransport:
             loading = set(self.queries.values()) & online - self.suspect  # nodes up that have not said yet whom they serve
             unfit = {cid for node, (cid, _) in self.unfit.items() if node in online} if not loading else set()
             if all(cid in node_of or cid in unfit or cid in self.offline and not loading for cid in cids) or expired:
-                if time.monotonic() - began > POLL_S:
-                    self.waited(time.monotonic() - began)
+                if (spent := time.monotonic() - began) > POLL_S:  # it had to wait
+                    self.waited(spent)
                 return node_of
             time.sleep(POLL_S)
 

@@ -6,9 +6,9 @@ task and exits), which would import torch (1.6-2.6 s) and read the config, the d
 the model again for every message. contrafl's ClientApp imports neither: it hands the
 message to its SuperNode's worker over a Unix socket (:func:`request`) and relays the
 reply. The worker is started by the SuperNode's first message (the server's query of
-which partition it serves, :func:`start`), which it answers once it has loaded the
-client, and answers with :meth:`FlowerClient.answer`, the code a ClientApp runs itself
-with the node config ``worker=false``.
+which partition it serves, :func:`start`) and loads the client before it answers it;
+it answers every message with :meth:`FlowerClient.answer`, the code a ClientApp runs
+itself with the node config ``worker=false``.
 
 The client's state still goes to its files after every round and is read back from them
 for every message (:meth:`FlowerClient.load_state`), so a worker that dies loses
