@@ -13,8 +13,9 @@ one SuperNode per client on this machine, sharing its cores):
 
 and then the **floor**: a bare Flower app (``benchmarks/flower_floor_app``) on the same
 kind of deployment (``contrafl-supernode`` s, the same poll), whose server sends each
-client the MOON model's arrays and whose clients send them back untouched. Its round
-is Flower's own message path with nothing else: what a deployment cannot go below.
+client the MOON model's arrays (packed into one Array, as contrafl sends a model) and
+whose clients send them back untouched. Its round is Flower's own message path with
+nothing else: what a deployment cannot go below.
 
 Each prints the seconds of every round from ``timing.jsonl``: the first round of a
 deployment includes the partition queries, the app's installation and the start of

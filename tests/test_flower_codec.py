@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 import subprocess
 import sys
 from collections.abc import Mapping
@@ -32,6 +33,7 @@ from contrafl.flower.codec import (  # noqa: E402
     record_bytes,
     require_flwr,
 )
+from contrafl.flower.packed import named_arrays, record_of  # noqa: E402
 
 from test_orchestra import tiny_cifar  # noqa: E402
 
@@ -206,7 +208,7 @@ def test_int_and_str_keys_order_and_escaped_names():
     out = decode(through_flower(record))
     assert_same(out, tree)
     assert list(out["class_reps"]) == [7, 3, "3", -1, "-1"] and list(out["z"]) == ["b", "a", "10", "2"]
-    names = list(record["arrays"])
+    names = list(named_arrays(record))
     assert len(set(names)) == len(names) == 15
     assert names[:5] == ["class_reps/7", "class_reps/3", "class_reps/%33", "class_reps/-1", "class_reps/%2D1"]
     assert "odd/a%2Fb" in names and "odd/a/b" in names and "odd/%252F" in names
@@ -250,22 +252,43 @@ def test_unsupported_leaves_and_keys_are_one_line_errors_naming_the_path():
 
 def test_decode_rejects_records_it_did_not_make():
     good = encode({"m": {"w": torch.ones(2)}})
-    tree = good["tree"]
+    tree, packed = good["tree"], good["arrays"]["packed"]
+    structure = str(tree["json"])
+
+    def with_layout(layout):
+        return RecordDict({"arrays": good["arrays"], "tree": ConfigRecord({**tree, "layout": layout})})
+
     broken = {
         "not a RecordDict made by contrafl.flower.codec.encode": RecordDict({"arrays": good["arrays"]}),
-        "contrafl tree format 2, expected 1": RecordDict({"arrays": good["arrays"], "tree": ConfigRecord({**tree, "format": 2})}),
-        "array 'm/w' of the tree is missing": RecordDict({"arrays": ArrayRecord(), "tree": tree}),
-        "array 'extra' of the RecordDict is not in its tree": RecordDict(
-            {"arrays": ArrayRecord({**good["arrays"], "extra": good["arrays"]["m/w"]}), "tree": tree}),
+        "contrafl tree format 1, expected 2": RecordDict({"arrays": good["arrays"], "tree": ConfigRecord({**tree, "format": 1})}),
+        "arrays: ['m/w'], expected ['packed']": RecordDict({"arrays": ArrayRecord({"m/w": packed}), "tree": tree}),
+        "array 'm/w' of the tree is missing": record_of({}, structure),
+        "array 'extra' of the RecordDict is not in its tree": record_of({"m/w": np.ones(2, np.float32), "extra": np.ones(1)}, structure),
         "holds torch.float32, which cannot carry the tree's torch.int64": RecordDict(
-            {"arrays": good["arrays"], "tree": ConfigRecord({**tree, "json": tree["json"].replace("float32", "int64")})}),
+            {"arrays": good["arrays"], "tree": ConfigRecord({**tree, "json": structure.replace("float32", "int64")})}),
         "has unknown dtype 'nn'": RecordDict(
-            {"arrays": good["arrays"], "tree": ConfigRecord({**tree, "json": tree["json"].replace("float32", "nn")})}),
+            {"arrays": good["arrays"], "tree": ConfigRecord({**tree, "json": structure.replace("float32", "nn")})}),
         "malformed contrafl tree": RecordDict({"arrays": good["arrays"], "tree": ConfigRecord({**tree, "json": "[1"})}),
+        "malformed layout of the packed arrays: JSONDecodeError": with_layout("[1"),
+        "malformed layout of the packed arrays at array 'm/w' (dtype 'object'": with_layout('[["m/w","object",[2]]]'),
+        "malformed layout of the packed arrays at array 'm/w' (dtype 'float32', shape [-2]": with_layout('[["m/w","float32",[-2]]]'),
+        "the packed arrays end at byte 8, inside array 'm/w' (bytes 0 to 12)": with_layout('[["m/w","float32",[3]]]'),
+        "the packed arrays hold 4 bytes after the last array of their layout": with_layout('[["m/w","float32",[1]]]'),
     }
     for message, record in broken.items():
-        with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        with pytest.raises(ValueError, match=re.escape(message)):
             decode(record)
+
+
+def test_named_arrays_and_record_of_are_inverse_with_any_layout_order():
+    arrays = {"b": np.arange(6, dtype=np.int16).reshape(2, 3), "a": np.array(True), "c": np.zeros((0, 4), np.float64)}
+    back = named_arrays(record_of(arrays, '{"dict":[]}'))
+    assert list(back) == ["b", "a", "c"]
+    for name, array in arrays.items():
+        assert back[name].dtype == array.dtype and back[name].shape == array.shape and np.array_equal(back[name], array)
+        assert back[name].flags.writeable and back[name].flags.aligned
+    with pytest.raises(ValueError, match="cannot encode array 'o' of numpy dtype object"):
+        record_of({"o": np.array([None])}, "{}")
 
 
 # -- metrics ----------------------------------------------------------------------------------
@@ -305,11 +328,10 @@ def test_record_bytes_is_payload_bytes_plus_npy_headers_names_and_json():
     record = encode(payload)
     data = sum(payload_bytes(payload).values())
     assert data == tensor_bytes(payload) == 48 + 8 + 4 + 20
-    names = ["model/w", "model/n", "stats/V", "stats/h"]
-    assert list(record["arrays"]) == names
+    assert list(named_arrays(record)) == ["model/w", "model/n", "stats/V", "stats/h"]
     tree = record["tree"]
-    config = len("format") + 8 + len("json") + len(tree["json"])
-    assert record_bytes(record) == data + sum(128 + len(n) for n in names) + config + len("arrays") + len("tree")
+    config = len("format") + 8 + len("json") + len(tree["json"]) + len("layout") + len(tree["layout"])
+    assert record_bytes(record) == data + 128 + len("packed") + config + len("arrays") + len("tree")
     assert record_bytes(through_flower(record)) == record_bytes(record)
 
 

@@ -32,6 +32,7 @@ from flwr.compat.common import recorddict_compat as compat  # noqa: E402
 from conftest import error_reply  # noqa: E402
 from contrafl.errors import ContraflError  # noqa: E402
 from contrafl.flower.codec import decode, encode  # noqa: E402
+from contrafl.flower.packed import named_arrays  # noqa: E402
 from contrafl.flower.node import USER_ERROR  # noqa: E402
 from contrafl.flower.secagg import (  # noqa: E402
     CLIPPING_RANGE, LEDGER, QUANTIZATION_RANGE, REJECTED, REST, SecureRound, UpdateRejected, outcome_tree, reply_fitres,
@@ -236,6 +237,20 @@ def test_a_client_unmasks_a_round_again_only_over_the_same_clients(tmp_path):
     assert sorted(results) == [0, 1, 2, 3] and ledger(tmp_path, 0) == {"1": [0, 1, 2, 3], "2": [0, 1, 2, 3]}
 
 
+def test_a_damaged_ledger_of_secure_sums_is_one_line_and_unmasks_nothing(tmp_path):
+    """A client's ledger that is not JSON {round: [client ids]} (a list, ids as text)
+    stops the client's unmasking with one line naming the file (issue #53, N8)."""
+    from contrafl.flower.secagg import check_ledger
+
+    path = tmp_path / LEDGER
+    for text in ("[1, 2]", '{"1": ["0", "1", "2"]}', '{"1": 3}', "{"):
+        path.write_text(text)
+        with pytest.raises(ContraflError) as info:
+            check_ledger(path, 1, [0, 1, 2])
+        assert str(info.value).startswith(f"{path}: ") and "\n" not in str(info.value) and "restore it" in str(info.value)
+        assert path.read_text() == text
+
+
 FLOATS = [torch.float16, torch.bfloat16, torch.float32, torch.float64] + [
     getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, name)
 ]
@@ -282,7 +297,7 @@ def test_every_floating_point_tensor_is_masked_and_averaged_in_its_own_dtype(tmp
     for fitres in seen:
         rest = unpack(bytes(fitres.metrics[REST]))
         dtypes = tensor_dtypes(json.loads(str(rest["tree"]["json"])))
-        assert sorted(rest["arrays"]) == ["payload/steps"] and dtypes["payload/steps"] == "int64"
+        assert sorted(named_arrays(rest)) == ["payload/steps"] and dtypes["payload/steps"] == "int64"
         assert len(parameters_to_ndarrays(fitres.parameters)) == len(FLOATS)
     for cid, fitres in results.items():
         payload = decode(outcome_tree(fitres))["payload"]

@@ -358,6 +358,39 @@ def test_under_local_dp_the_server_refuses_heavy_and_long_replies():
     assert "mark only some labels" in sim.privacy.check_local(Reply(0, 1, {"prototypes": tables}), {})
 
 
+def test_under_local_dp_a_spike_in_one_value_is_refused_and_what_passes_is_bounded():
+    """Issue #53, N1: a client that puts its whole norm budget into one weight passed the
+    L2 bound. The per-value bound C + z C sqrt(2 ln(2 d / 1e-9)) refuses it; the largest
+    spike that passes moves the global weight by at most that bound over the round's
+    clients (against the client sending no update), measured here, where the spike
+    through the L2 bound alone moved it about 39x more."""
+    sim = local_sim()
+    message = sim.algorithm.broadcast(sim.server, 0)
+    honest = [next(iter(sim.train_locally(0, [c], lambda _: message, sim.algorithm.phases(0)))).reply for c in range(3)]
+    u = updates(honest[0].payload, message)
+    size = sum(x.numel() for x in u)
+    per_value = sim.privacy.coordinate_bound(size)
+    assert per_value == pytest.approx((0.5 + 0.5 * math.sqrt(2 * math.log(2 * size / 1e-9))) * (1 + 1e-5))
+    assert all(max(float(x.abs().max()) for x in updates(r.payload, message)) < per_value for r in honest)
+
+    def spiked(value: float) -> Reply:  # client 0's reply whose update is one weight moved by value
+        spike = [-x for x in u]
+        spike[0].view(-1)[0] += value
+        return Reply(0, 1, add_noise(honest[0].payload, message, spike))
+
+    norm_budget = 0.9 * sim.privacy.local_bound(size)
+    assert "an update value of" in sim.privacy.check_local(spiked(norm_budget), message)
+    assert sim.privacy.check_local(spiked(0.99 * per_value), message) is None
+    weight = next(iter(message["model"]))
+    moved = {}
+    for name, value in (("passes", 0.99 * per_value), ("through the L2 bound alone", norm_budget)):
+        out = sim.algorithm.aggregate(sim.server, [spiked(value), *honest[1:]], 0)
+        ref = sim.algorithm.aggregate(sim.server, [spiked(0.0), *honest[1:]], 0)  # client 0 sends no update
+        moved[name] = float((out.model[weight] - ref.model[weight]).abs().max())
+    assert moved["passes"] <= per_value / 3 + 1e-6
+    assert moved["through the L2 bound alone"] > 35 * moved["passes"]
+
+
 def test_a_heavy_local_reply_is_left_out_of_the_round(monkeypatch):
     """In a round: a client whose privatized reply claims 50 samples is rejected by the
     server (on_bad_update=skip: left out, the row says why); the others are aggregated."""
@@ -483,8 +516,89 @@ def test_a_checkpoint_whose_ledger_lost_releases_is_refused(tmp_path):
     with pytest.raises(CheckpointError, match=r"round 2 released an update that the privacy ledger does not record \(epsilon would be under-reported\)"):
         resume(setup, RunDir(run, resume=True))
     (run / LEDGER).write_text('{"round": 0, "client": null}\n')
-    with pytest.raises(CheckpointError, match=r"is not a release \(round, client, digest\)"):
+    with pytest.raises(CheckpointError, match=r"is not a release \(round, client, digest, prev\)"):
         resume(setup, RunDir(run, resume=True))
+
+
+def _resume_error(run, capsys) -> str:
+    """The one line ``contrafl run --resume run rounds=5`` (a completed run extended)
+    stops with (exit status 2)."""
+    capsys.readouterr()
+    assert main(["run", "--quiet", "--resume", str(run), "rounds=5"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    return err[0]
+
+
+def test_a_deleted_emptied_cut_or_edited_ledger_stops_the_resume_with_one_line(tmp_path, capsys):
+    """The ledger is a hash chain that must begin with the checkpoint's copy: a deleted,
+    emptied, cut or edited ledger stops ``--resume`` with one line, and the rounds done
+    are kept (issue #53, N3). The intact ledger resumes."""
+    run = tmp_path / "run"
+    assert main(["run", "--quiet", "--out", str(run), *DIGITS, "rounds=3", "dp=local", "dp.clip=5", "dp.noise_multiplier=0.01"]) == 0
+    lines = (run / LEDGER).read_text().splitlines()
+    assert len(lines) == 18 and json.loads(lines[0])["prev"] == "" and all(json.loads(a)["prev"] for a in lines[1:])
+    metrics = (run / "metrics.jsonl").read_bytes()
+    cases = {
+        "missing, but checkpoint": None,
+        "holds 0 releases, but checkpoint": "",
+        "holds 12 releases, but checkpoint": "\n".join(lines[:12]) + "\n",
+        "line 7 does not follow the release before it": "\n".join(lines[:6] + lines[7:]) + "\n",
+        "line 5: {\"round\": -1, ": "\n".join(lines[:4] + [json.dumps({**json.loads(lines[4]), "round": -1})] + lines[5:]) + "\n",
+    }
+    for expected, text in cases.items():
+        (run / LEDGER).unlink(missing_ok=True)
+        if text is not None:
+            (run / LEDGER).write_text(text)
+        line = _resume_error(run, capsys)
+        assert expected in line and LEDGER in line, line
+        assert (run / "metrics.jsonl").read_bytes() == metrics
+    (run / LEDGER).write_text("\n".join(lines) + "\n")
+    assert main(["run", "--quiet", "--resume", str(run), "rounds=4"]) == 0
+    assert len((run / LEDGER).read_text().splitlines()) == 24
+
+
+def test_a_ledger_cut_back_to_the_checkpoint_is_found_by_the_rows_published_after_it(tmp_path, capsys):
+    """Releases made after the last checkpoint are in the ledger and in the rows
+    ``metrics.jsonl`` published: a ledger cut back to the checkpoint's releases stops the
+    resume although it holds all of them."""
+    run = tmp_path / "run"
+    assert main(["run", "--quiet", "--out", str(run), *DIGITS, "rounds=2", "dp=central", "dp.clip=0.5"]) == 0
+    at_round_2 = (run / "checkpoint.pt").read_bytes()
+    assert main(["run", "--quiet", "--resume", str(run), "rounds=3"]) == 0
+    (run / "checkpoint.pt").write_bytes(at_round_2)  # as if killed after round 3's row, before its checkpoint
+    (run / LEDGER).write_text("".join(line + "\n" for line in (run / LEDGER).read_text().splitlines()[:2]))
+    line = _resume_error(run, capsys)
+    assert "round 3 released an update that the privacy ledger does not record (epsilon would be under-reported)" in line
+
+
+def test_no_file_of_a_run_is_written_through_a_symbolic_link(tmp_path, capsys):
+    """A run directory holding a link (the ledger, or client-state/ pointing elsewhere) is
+    refused with one line, and the file it points to is untouched (issue #53, N8)."""
+    run, outside = tmp_path / "run", tmp_path / "outside.jsonl"
+    assert main(["run", "--quiet", "--out", str(run), *DIGITS, "dp=central", "dp.clip=0.5"]) == 0
+    outside.write_bytes((run / LEDGER).read_bytes())
+    (run / LEDGER).unlink()
+    (run / LEDGER).symlink_to(outside)
+    before = outside.read_bytes()
+    line = _resume_error(run, capsys)
+    assert line.startswith(f"contrafl: error: {run / LEDGER} is a symbolic link (to {outside})"), line
+    assert outside.read_bytes() == before
+    from contrafl.files import append_line
+
+    with pytest.raises(ConfigError, match="is a symbolic link"):
+        append_line(run / LEDGER, "{}")
+    assert outside.read_bytes() == before
+
+
+def test_reproducible_noise_says_on_the_last_line_that_it_protects_nothing(tmp_path, capsys):
+    """``dp.noise=reproducible`` (anyone with config.yaml can subtract the noise) says so
+    beside the epsilon it reports (issue #53, N7); secret noise does not."""
+    for noise in ("reproducible", "secret"):
+        assert main(["run", "--out", str(tmp_path / noise), *DIGITS, "rounds=1", "dp=central", "dp.clip=0.1", f"dp.noise={noise}"]) == 0
+        done = capsys.readouterr().out.splitlines()[-1]
+        assert ("-DP (central; reproducible noise: protects nothing)" in done) == (noise == "reproducible"), done
+        assert "-DP (central" in done
 
 
 def test_without_dp_accounting_the_server_stops_at_once_and_a_client_needs_none(tmp_path, monkeypatch, capsys):

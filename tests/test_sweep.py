@@ -209,6 +209,10 @@ def test_a_sweep_over_dp_reports_the_epsilon_each_cell_spent(tmp_path):
     spent = read_run(tmp_path / "out" / "dp-local-noise_multiplier-2" / "seed0")[1][-1]["dp_epsilon"]
     assert rows == {"none": "-", "local(noise_multiplier=0)": "inf", "local(noise_multiplier=2)": f"{spent:.3g}"}
     assert sweep_report(tmp_path / "out").splitlines()[0].startswith("| dp | epsilon | metric |")
+    summary = tmp_path / "out" / "dp-local-noise_multiplier-2" / "seed0" / "summary.json"
+    summary.write_text(summary.read_text().replace('"noise": "secret"', '"noise": "reproducible"'))  # as dp.noise=reproducible writes it
+    rows = {r[0].strip("| "): r[1] for r in (line.split(" | ") for line in sweep_report(tmp_path / "out").splitlines()[2:])}
+    assert rows["local(noise_multiplier=2)"] == f"{spent:.3g} (reproducible noise: protects nothing)"
 
 
 def test_a_run_stopped_after_its_last_round_is_reported_done(tmp_path):

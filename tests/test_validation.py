@@ -168,6 +168,16 @@ def test_bad_update_stops_the_run_by_default():
         sim.run()
 
 
+def test_under_secret_sampling_the_stop_error_names_no_client():
+    """The clients of a round are a secret under ``sampling=secret``: the error that
+    stops the run names the round, not the client (issue #53, N9)."""
+    sim = Simulation(prepare(load_config(None, [*FAST, "rounds=1", "executor=sequential", "sampling=secret"])))
+    _corrupting(sim, {c: _wrong_shape for c in range(sim.cfg.num_clients)}, [])
+    with pytest.raises(ClientUpdateError) as info:
+        sim.run()
+    assert str(info.value).startswith("a client's update in round 1 was rejected: ") and "client 2" not in str(info.value)
+
+
 class _Exploit:
     """Unpickling this calls ``open(marker, "w")``: code execution on load."""
 

@@ -305,7 +305,8 @@ def format_summary(summary: dict, history: list[dict] | None = None) -> str:
         parts.append(f"rounds to {summary['target_accuracy']:.2%}: {summary.get('rounds_to_target') or 'not reached'}")
     if "dp" in summary:
         epsilon = summary["dp"]["epsilon"]
-        parts.append(f"({'inf' if epsilon is None else f'{epsilon:.3g}'}, {summary['dp']['delta']:g})-DP ({summary['dp']['mode']})")
+        noise = "; reproducible noise: protects nothing" if summary["dp"].get("noise") == "reproducible" else ""
+        parts.append(f"({'inf' if epsilon is None else f'{epsilon:.3g}'}, {summary['dp']['delta']:g})-DP ({summary['dp']['mode']}{noise})")
     lost = sum(len(row.get("lost", [])) for row in history or [])
     if lost:
         parts.append(f"{count(lost, 'reply', 'replies')} lost")

@@ -8,16 +8,21 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
 
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)  # a link in the last place is an error (ELOOP) where the OS has the flag
+
 
 def write_atomic(path: Path, write: Callable[[BinaryIO], Any]) -> None:
     """Replace ``path`` with what ``write`` writes to a binary file, surviving a crash
     at any point: a temporary file in the same directory, fsync, rename, fsync of the
     directory. A reader sees the old file or the new one, never a torn one; a write
-    that fails (a full disk) leaves no temporary file behind."""
+    that fails (a full disk) leaves no temporary file behind. Nothing is written through
+    a symbolic link: the temporary file is made new, and a link at ``path`` is replaced,
+    not followed."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
+    tmp.unlink(missing_ok=True)  # a file or a link left there: never written through
     try:
-        with open(tmp, "wb") as f:
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o666), "wb") as f:
             write(f)
             f.flush()
             os.fsync(f.fileno())
@@ -26,6 +31,32 @@ def write_atomic(path: Path, write: Callable[[BinaryIO], Any]) -> None:
         raise
     os.replace(tmp, path)
     fsync_dir(path.parent)
+
+
+def append_line(path: Path, line: str, sync: bool = False) -> None:
+    """Append ``line`` and a newline to ``path`` (made if missing), never through a
+    symbolic link; with ``sync``, durably (fsync) before returning."""
+    path = Path(path)
+    refuse_link(path)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | _NOFOLLOW, 0o666)
+    with os.fdopen(fd, "a") as f:
+        f.write(line + "\n")
+        if sync:
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def refuse_link(path: Path) -> None:
+    """A one-line :class:`~contrafl.errors.ConfigError` when ``path`` is a symbolic link:
+    contrafl writes no file of a run through one, which could lead out of the run
+    directory."""
+    if Path(path).is_symlink():
+        from .errors import ConfigError
+
+        raise ConfigError(
+            f"{path} is a symbolic link (to {os.readlink(path)}); contrafl writes no file of a run through a link, "
+            "which could lead out of the run directory: replace it with the file itself"
+        )
 
 
 def fsync_dir(path: Path) -> None:

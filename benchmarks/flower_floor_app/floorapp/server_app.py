@@ -1,8 +1,8 @@
 """ServerApp: ``num-rounds`` rounds of ``exchanges`` exchanges each (a train round with
 federated evaluation has two); an exchange sends the arrays of the ``.npz`` file
-``arrays`` (one Array each, as contrafl sends a model) to every node and waits for their
-replies, pulling every 0.2 s as contrafl's ServerApp does. The seconds of each round go
-to ``out`` as JSON."""
+``arrays`` (their bytes packed into one Array, as contrafl sends a model) to every node
+and waits for their replies, pulling every 0.2 s as contrafl's ServerApp does. The
+seconds of each round go to ``out`` as JSON."""
 
 import json
 import time
@@ -21,7 +21,7 @@ def main(grid: Grid, context: Context) -> None:
     """Run the rounds and write ``{"seconds": [...]}`` to ``out``."""
     cfg = context.run_config
     with np.load(str(cfg["arrays"])) as npz:
-        arrays = {name: npz[name] for name in npz.files}
+        packed = np.concatenate([npz[name].reshape(-1).view(np.uint8) for name in npz.files])
     deadline = time.monotonic() + float(cfg["round-timeout"])
     while len(nodes := sorted(grid.get_node_ids())) < int(cfg["num-nodes"]):
         if time.monotonic() > deadline:
@@ -32,7 +32,7 @@ def main(grid: Grid, context: Context) -> None:
         began = time.monotonic()
         for _ in range(int(cfg["exchanges"])):
             messages = [
-                Message(RecordDict({"arrays": ArrayRecord({k: Array(v) for k, v in arrays.items()}),
+                Message(RecordDict({"arrays": ArrayRecord({"packed": Array(packed)}),
                                     "config": ConfigRecord({"round": rnd})}),
                         dst_node_id=node, message_type=MessageType.TRAIN, group_id=str(rnd))
                 for node in nodes

@@ -52,6 +52,7 @@ from .. import params as P
 from ..algorithms.base import Reply
 from ..config import Config
 from ..errors import CheckpointError, ConfigError
+from ..files import append_line, refuse_link
 from ..rng import generator
 from .checkpoint import is_whole
 from .sampling import clients_per_round
@@ -149,11 +150,24 @@ class Privacy:
         t = math.sqrt(2 * math.log(1 / FALSE_REJECTION))
         return (self.params.clip + self.sigma * (math.sqrt(size) + t)) * (1 + 1e-5)
 
+    def coordinate_bound(self, size: int) -> float:
+        """``dp=local``: the largest value of an honest client's update of ``size`` values,
+        but with probability :data:`FALSE_REJECTION`::
+
+            |clip(u)_j + n_j| <= C + |n_j|,   P(max_j |n_j| > sigma t) <= 2 d exp(-t^2 / 2)
+
+        (a clipped update has no value above ``C``; the union bound over the ``d``
+        values), with ``t = sqrt(2 ln(2 d / FALSE_REJECTION))``, plus a relative 1e-5 for
+        rounding. Without it a client could put its whole :meth:`local_bound` into one
+        value (``sqrt(d)`` times what the noise gives one value)."""
+        t = math.sqrt(2 * math.log(2 * max(size, 1) / FALSE_REJECTION))
+        return (self.params.clip + self.sigma * t) * (1 + 1e-5)
+
     def check_local(self, reply: Reply, message: Any) -> str | None:
         """``dp=local``: why the server cannot take ``reply`` as a protected update, or
         None. It must weigh one sample (else a client could outweigh the others), hide its
-        labels when ``dp.labels=hide`` (every label marked), and its update must not be
-        longer than :meth:`local_bound`."""
+        labels when ``dp.labels=hide`` (every label marked), and its update must be no
+        longer than :meth:`local_bound` and have no value above :meth:`coordinate_bound`."""
         if reply.num_samples != 1:
             return f"num_samples={reply.num_samples!r}, expected 1 (under dp=local every reply counts once)"
         if self.params.labels == "hide":
@@ -162,11 +176,18 @@ class Privacy:
                     if key in table and not bool((table[key] == 1).all()):
                         return f"a per-label table's {key} mark only some labels, expected every label (dp.labels=hide)"
         u = updates(reply.payload, message)
-        norm, bound = vector_norm(u), self.local_bound(sum(x.numel() for x in u))
+        size = sum(x.numel() for x in u)
+        norm, bound = vector_norm(u), self.local_bound(size)
         if norm > bound:
             return (
                 f"update norm {norm:.4g} exceeds {bound:.4g}, the most that clipping to dp.clip={self.params.clip:g} "
                 f"plus the noise gives (false rejections: {FALSE_REJECTION:g})"
+            )
+        largest, bound = max((float(x.abs().max()) for x in u if x.numel()), default=0.0), self.coordinate_bound(size)
+        if largest > bound:
+            return (
+                f"an update value of {largest:.4g} exceeds {bound:.4g}, the largest that clipping to dp.clip={self.params.clip:g} "
+                f"plus the noise gives one of its {size} values (false rejections: {FALSE_REJECTION:g})"
             )
         return None
 
@@ -229,16 +250,17 @@ class Privacy:
         return {"ledger": list(self.ledger.entries)}
 
     def load_state_dict(self, state: Any, history: list[dict[str, Any]], where: str) -> None:
-        """Restore the ledger: the union of the checkpoint's (``state``) and the run
-        directory's file (already opened by :meth:`Ledger.open`), checked against the
-        rounds ``history`` recorded: it must hold a release of every round that reported
-        one, and no fewer releases than the last row reported (:class:`CheckpointError`
-        naming ``where`` otherwise)."""
+        """Check the ledger against a checkpoint's copy (``state``) and the rounds
+        ``history`` published (the checkpoint's rows and any later rows of
+        ``metrics.jsonl``): the run directory's file (:meth:`Ledger.open`) must begin with
+        the checkpoint's releases (:meth:`Ledger.extend`), hold a release of every round
+        that reported one, and no fewer releases than the last row reported. A
+        :class:`CheckpointError` naming ``where`` otherwise: a deleted, emptied or cut
+        ledger stops the run."""
         entries = state.get("ledger", []) if isinstance(state, Mapping) else None
         if not isinstance(entries, list):
             raise CheckpointError(f"{where}: the privacy ledger is {type(entries).__name__}, expected a list of releases; the checkpoint was edited or not written by contrafl")
-        for entry in entries:
-            self.ledger.add_entry(entry, where)
+        self.ledger.extend(entries, where)
         previous = 0
         for row in history:
             released = row.get("dp_releases") if isinstance(row, Mapping) else None
@@ -258,63 +280,97 @@ class Privacy:
 
 
 class Ledger:
-    """The releases of a run, one entry ``{"round", "client", "digest"}`` each (``client``
-    None for a central aggregate, which lists its ``clients`` when the sample is public),
-    appended (and synced) to a file of the run directory before the release is used, and
-    never removed: a resumed run keeps counting what earlier attempts released. The same
-    release again (same round, client and digest: a re-run that computed the same thing)
-    counts once."""
+    """The releases of a run, one entry ``{"round", "client", "digest", "prev"}`` each
+    (``client`` None for a central aggregate, which lists its ``clients`` when the sample
+    is public), appended (and synced) to a file of the run directory before the release
+    is used, and never removed: a resumed run keeps counting what earlier attempts
+    released. The same release again (same round, client and digest: a re-run that
+    computed the same thing) counts once.
+
+    The file is a hash chain: ``prev`` is the hash of the entry before (:func:`link`;
+    empty for the first), so a line edited or removed anywhere but at the end is found
+    when the ledger is read; a checkpoint holds the entries up to its round, which the
+    file must begin with (:meth:`extend`), and ``metrics.jsonl`` the releases each round
+    published (:meth:`Privacy.load_state_dict`). A deleted, emptied or cut ledger is
+    found unless it lost only releases made after the last checkpoint and the last
+    published row (a round killed before its row was written), which nothing else
+    records."""
 
     def __init__(self) -> None:
         self.entries: list[dict[str, Any]] = []
         self.path: Path | None = None
+        self.head = ""  # link() of the last entry
         self._keys: set[tuple[int, int | None, str]] = set()
         self._rounds: set[int] = set()
         self._aggregates = 0  # central aggregates
         self._per_client: dict[int, int] = {}  # noisy replies, or the public sample's aggregates that list the client
 
     def open(self, path: Path) -> None:
-        """Keep the ledger in ``path`` from now on, with the entries it already holds."""
+        """Keep the ledger in ``path`` from now on, with the entries it already holds
+        (checked: releases, each linked to the one before)."""
         self.path = Path(path)
+        refuse_link(self.path)
         if self.path.is_file():
             for n, line in enumerate(self.path.read_text().splitlines(), start=1):
-                if not line.strip():
-                    continue
+                where = f"{self.path} line {n}"
                 try:
                     entry = json.loads(line)
                 except json.JSONDecodeError:
-                    raise CheckpointError(f"{self.path} line {n} is not JSON; the privacy ledger was edited or damaged (restore it, or start the run again)") from None
-                self.add_entry(entry, f"{self.path} line {n}", write=False)
+                    raise CheckpointError(f"{where} is not JSON; the privacy ledger was edited or damaged (restore it, or start the run again)") from None
+                self._take(entry, where)
 
     def add(self, round: int, client: int | None, digest: str, clients: list[int] | None = None) -> None:
+        """Record a release (written to the file first), unless the ledger has it."""
         entry: dict[str, Any] = {"round": round, "client": client, "digest": digest}
         if clients is not None:
             entry["clients"] = clients
-        self.add_entry(entry, "the privacy ledger")
+        if (round, client, digest) in self._keys:
+            return
+        entry["prev"] = self.head
+        if self.path is not None:
+            append_line(self.path, json.dumps(entry), sync=True)
+        self._take(entry, "the privacy ledger")
 
-    def add_entry(self, entry: Any, where: str, write: bool = True) -> None:
-        """Add ``entry`` (checked) unless the ledger has it; with ``write``, to the file too."""
+    def extend(self, entries: list[Any], where: str) -> None:
+        """Check that the ledger begins with ``entries`` (the copy ``where``, a
+        checkpoint, holds); a ledger kept in no file (a read-only simulation) takes them."""
+        if self.path is None:
+            for n, entry in enumerate(entries, start=1):
+                self._take(entry, f"{where}, release {n}")
+            return
+        if len(self.entries) < len(entries):
+            state = "missing" if not self.path.exists() else f"holds {len(self.entries)} release{'' if len(self.entries) == 1 else 's'}"
+            raise CheckpointError(
+                f"{self.path} {state}, but {where} recorded {len(entries)}: the privacy ledger was deleted, emptied or cut "
+                "(epsilon would be under-reported); restore it, or start the run again"
+            )
+        if self.entries[: len(entries)] != entries:
+            first = next(n for n, (a, b) in enumerate(zip(self.entries, entries), start=1) if a != b)
+            raise CheckpointError(
+                f"{self.path} line {first} differs from release {first} that {where} recorded: the privacy ledger and the "
+                "checkpoint are of different runs or were edited; restore them together, or start the run again"
+            )
+
+    def _take(self, entry: Any, where: str) -> None:
+        """Count ``entry``, checked: a release linked to the last entry."""
         ok = (
             isinstance(entry, Mapping) and _count(entry.get("round")) and isinstance(entry.get("digest"), str)
             and (entry.get("client") is None or _count(entry["client"]))
             and (entry.get("clients") is None or (isinstance(entry["clients"], list) and all(map(_count, entry["clients"]))))
+            and isinstance(entry.get("prev"), str)
         )
         if not ok:
-            raise CheckpointError(f"{where}: {json.dumps(entry, default=str)[:80]} is not a release (round, client, digest); the privacy ledger was edited or not written by contrafl")
+            raise CheckpointError(f"{where}: {json.dumps(entry, default=str)[:80]} is not a release (round, client, digest, prev); the privacy ledger was edited or not written by contrafl")
+        if entry["prev"] != self.head:
+            raise CheckpointError(f"{where} does not follow the release before it (its prev hash differs): a release was removed or edited; restore the privacy ledger, or start the run again")
         key = (entry["round"], entry["client"], entry["digest"])
-        if key in self._keys:
-            return
         self._keys.add(key)
         self.entries.append(dict(entry))
+        self.head = link(entry)
         self._rounds.add(entry["round"])
         self._aggregates += entry["client"] is None
         for c in entry.get("clients") or ([] if entry["client"] is None else [entry["client"]]):
             self._per_client[c] = self._per_client.get(c, 0) + 1
-        if write and self.path is not None:
-            with open(self.path, "a") as f:
-                f.write(json.dumps(entry) + "\n")
-                f.flush()
-                os.fsync(f.fileno())
 
     def aggregates(self) -> int:
         """The central aggregates released."""
@@ -327,6 +383,11 @@ class Ledger:
 
     def has_round(self, round: int) -> bool:
         return round in self._rounds
+
+
+def link(entry: Mapping[str, Any]) -> str:
+    """The hash an entry's successor names as ``prev``: SHA-256 of its canonical JSON."""
+    return hashlib.sha256(json.dumps(entry, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:32]
 
 
 def _count(value: Any) -> bool:

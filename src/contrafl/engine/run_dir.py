@@ -19,7 +19,7 @@ from typing import Any
 
 from ..config import Config
 from ..errors import ConfigError
-from ..files import write_atomic
+from ..files import append_line, refuse_link, write_atomic
 
 
 def default_run_dir(algorithm: str, dataset: str, root: Path = Path("runs")) -> Path:
@@ -108,7 +108,8 @@ def _running(pid: str) -> bool:
 
 
 class RunDir:
-    """Writes the files of one run; never overwrites a previous run.
+    """Writes the files of one run; never overwrites a previous run, and writes nothing
+    through a symbolic link (a writer refuses a run directory that holds one).
 
     ``resume=True`` opens the directory of an earlier run to continue it. While the
     object lives, the directory is locked (``.lock``, released when the process ends,
@@ -135,6 +136,9 @@ class RunDir:
             raise ConfigError(
                 f"cannot make the run directory {self.path} ({exc.strerror or type(exc).__name__}); choose an --out you can write"
             ) from None
+        if lock:  # a writer: nothing of the run written through a link (checkpoint.pt, client-state/, ...)
+            for entry in self.path.iterdir():
+                refuse_link(entry)
         self._lock, before = _lock(self.path / LOCK) if lock else (None, "")
         pid, _, program = before.partition(" ")
         self.taken_over = f"took over the run directory's lock from {program or 'a process'} (pid {pid}), which ended without releasing it" if before else None
@@ -159,8 +163,22 @@ class RunDir:
         self.write_text(name, to_json(obj, indent=2) + "\n")
 
     def append(self, name: str, row: dict[str, Any]) -> None:
-        with open(self.path / name, "a") as f:
-            f.write(to_json(row) + "\n")
+        append_line(self.path / name, to_json(row))
+
+    def rows(self, name: str) -> list[dict[str, Any]]:
+        """The rows of the JSON-lines file ``name`` up to its first torn or non-object
+        line (a crash in a write), [] when it is missing."""
+        path = self.path / name
+        rows = []
+        for line in (path.read_text().splitlines() if path.is_file() else []):
+            try:
+                row = json.loads(line)
+            except ValueError:
+                break
+            if not isinstance(row, dict):
+                break
+            rows.append(row)
+        return rows
 
     def truncate(self, rounds: int, metrics: list[dict[str, Any]]) -> None:
         """Cut the per-round files back to the first ``rounds`` rounds (a resumed run

@@ -393,9 +393,10 @@ class Simulation:
         self.store.restore(checkpoint["clients"], check_client_state)
         self.history = list(checkpoint["history"])
         self.comm_total = checkpoint["comm_total"]
-        if self.privacy is not None:
-            self.privacy.load_state_dict(checkpoint.get("privacy", {}), self.history, f"checkpoint {path}")
         self.rounds_done = self.checkpointed = int(checkpoint["round"])
+        if self.privacy is not None:  # the rows metrics.jsonl published after the checkpoint count too
+            later = [r for r in self.run_dir.rows("metrics.jsonl") if is_whole(r.get("round")) and r["round"] > self.rounds_done] if self.run_dir else []
+            self.privacy.load_state_dict(checkpoint.get("privacy", {}), self.history + later, f"checkpoint {path}")
         self.extensions = [dict(e) for e in checkpoint.get("extensions", [])]
         self.placement = dict(checkpoint.get("placement", {}))
         before = checkpoint["config"].get("rounds")
@@ -791,8 +792,9 @@ class Simulation:
             if self.privacy is not None:
                 diverged += ", or the DP noise (dp.noise_multiplier, dp.clip)"
             advice = diverged if "non-finite" in reason else "the client sent an update the server cannot aggregate"
+            who = "a client" if self.cfg.sampling == "secret" else f"client {cid}"  # the round's clients are a secret
             raise ClientUpdateError(
-                f"client {cid}'s update in round {round + 1} was rejected: {reason}; {advice}, "
+                f"{who}'s update in round {round + 1} was rejected: {reason}; {advice}, "
                 "or set on_bad_update=skip to leave such updates out of the aggregate"
             )
         return reason
@@ -1046,6 +1048,8 @@ def resume(setup: Setup, run_dir: RunDir, progress: Progress | None = None) -> S
     if checkpoint is not None:
         sim.restore(checkpoint, run_dir.checkpoint_path)
     else:
+        if sim.privacy is not None:
+            sim.privacy.load_state_dict({}, run_dir.rows("metrics.jsonl"), f"{run_dir.path / 'metrics.jsonl'}")
         run_dir.truncate(0, [])
     return sim
 

@@ -607,6 +607,8 @@ def collect(sweep: Sweep, suite: Suite, out: Path, cells: Sequence[Cell]) -> dic
             spent = [r for r in rows if "dp_epsilon" in r]
             if spent:
                 epsilons.append(spent[-1]["dp_epsilon"])
+                if summary.get("dp", {}).get("noise") == "reproducible":
+                    entry["reproducible_noise"] = True
         if epsilons:
             entry["epsilon"] = epsilons
         if metric is not None and finals:
@@ -622,7 +624,8 @@ def collect(sweep: Sweep, suite: Suite, out: Path, cells: Sequence[Cell]) -> dic
 
 def format_table(sweep: Sweep, results: Mapping[str, Any], markdown: bool = True) -> str:
     """A row per cell: its value of every grid axis, the epsilon the runs spent (when a
-    cell ran with ``dp``: the last round's, ``inf`` without noise), the metric, final and
+    cell ran with ``dp``: the last round's, ``inf`` without noise, marked when the noise
+    was ``dp.noise=reproducible``), the metric, final and
     best value (mean ± std over seeds, in %), the client std of personalised runs and the
     runs' states."""
     axes = results["axes"]
@@ -633,7 +636,8 @@ def format_table(sweep: Sweep, results: Mapping[str, Any], markdown: bool = True
     for name, e in results["cells"].items():
         values = [_text(e["settings"][a]) if a in e["settings"] else "-" for a in axes]
         if private:
-            values.append(", ".join(sorted({"inf" if x is None else f"{x:.3g}" for x in e.get("epsilon", [])})) or "-")
+            spent = ", ".join(sorted({"inf" if x is None else f"{x:.3g}" for x in e.get("epsilon", [])})) or "-"
+            values.append(f"{spent} (reproducible noise: protects nothing)" if e.get("reproducible_noise") else spent)
         states = count_states(e["status"].values())
         if "final_mean" in e:
             cells = [

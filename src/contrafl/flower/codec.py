@@ -2,13 +2,14 @@
 
 A message (server to client) or a reply payload (client to server) is a tree of dicts
 with str or int keys, lists, tuples, torch tensors, and Python scalars (int, float, bool,
-str) or None. :func:`encode` puts every tensor into one ArrayRecord ``"arrays"``, named by
-its path, and the structure into a ConfigRecord ``"tree"`` as JSON (``"json"``, with a
-``"format"`` number); :func:`decode` is its exact inverse: same keys (int and str kept
+str) or None. :func:`encode` names every tensor by its path and writes the structure as
+JSON; :func:`contrafl.flower.packed.record_of` packs the tensors into one Array and the
+JSON beside them. :func:`decode` is its exact inverse: same keys (int and str kept
 apart) in the same order, same containers, tensors bit-identical with the same dtype and
 shape. Mappings come back as ``dict`` and subclasses of the scalar types (``np.float64``)
-as the plain type. Nothing is unpickled: arrays are ``.npy`` bytes read with
-``allow_pickle=False`` and the structure is JSON.
+as the plain type. Nothing is unpickled: the packed bytes are ``.npy`` read with
+``allow_pickle=False``, every array's dtype is a plain numeric one, and the structure is
+JSON.
 
 JSON nodes::
 
@@ -29,13 +30,12 @@ dtype of the same width (``t.view(torch.int16)`` for bfloat16) and are viewed ba
 the dtype the JSON names.
 
 Communication accounting: :func:`record_bytes` counts what Flower counts
-(``count_bytes()`` of each record: every array's ``.npy`` bytes, i.e. its data plus a
-header of 128 bytes for usual shapes, and the length of every name; the JSON text; the
-record names). :func:`contrafl.engine.comm.payload_bytes` counts only the tensors' data,
+(``count_bytes()`` of each record: the packed Array's ``.npy`` bytes, i.e. the tensors'
+data plus a header of 128 bytes, and its name; the JSON texts; the record names).
+:func:`contrafl.engine.comm.payload_bytes` counts only the tensors' data,
 ``numel * element_size`` by kind, leaving out names, scalars and structure. So for a
-payload ``p`` with ``n`` tensors,
-``record_bytes(encode(p)) = sum(payload_bytes(p).values()) + 128 n + (names) + (JSON)``
-for usual shapes; neither is the exact wire size (Flower adds protobuf framing, chunks
+payload ``p``, ``record_bytes(encode(p)) = sum(payload_bytes(p).values()) + 128 +
+(names) + (JSON)``; neither is the exact wire size (Flower adds protobuf framing, chunks
 large arrays and de-duplicates identical ones by content hash).
 """
 
@@ -52,11 +52,10 @@ import torch
 from . import require_flwr
 
 require_flwr()
-from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict  # noqa: E402
+from flwr.app import MetricRecord, RecordDict  # noqa: E402
 
-ARRAYS = "arrays"
-TREE = "tree"
-FORMAT = 1
+from .packed import named_arrays, record_of, records  # noqa: E402
+
 _SAME_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _INTEGER = re.compile(r"-?[0-9]+")
 _SCALARS = (bool, int, float, str, type(None))
@@ -67,21 +66,15 @@ def encode(tree: Mapping[str, Any]) -> RecordDict:
     """The RecordDict of a message or reply payload (see the module docstring)."""
     if not isinstance(tree, Mapping):
         raise ValueError(f"cannot encode a {type(tree).__name__}: expected a mapping")
-    arrays: dict[str, Array] = {}
+    arrays: dict[str, np.ndarray] = {}
     structure = _encode_node(tree, None, arrays)
-    text = json.dumps(structure, separators=(",", ":"))
-    return RecordDict(
-        {
-            ARRAYS: ArrayRecord(array_dict=arrays, keep_input=False),
-            TREE: ConfigRecord({"format": FORMAT, "json": text}),
-        }
-    )
+    return record_of(arrays, json.dumps(structure, separators=(",", ":")))
 
 
 def decode(record: RecordDict, device: torch.device | str | None = None) -> dict[str, Any]:
     """The tree :func:`encode` made ``record`` from; tensors on ``device`` when given (else
     the CPU)."""
-    arrays, structure = _parts(record)
+    arrays, structure = named_arrays(record), _structure(record)
     used: set[str] = set()
     try:
         tree = _decode_node(structure, arrays, device, used)
@@ -93,7 +86,7 @@ def decode(record: RecordDict, device: torch.device | str | None = None) -> dict
     return tree
 
 
-def _encode_node(value: Any, path: str | None, arrays: dict[str, Array]) -> dict[str, Any]:
+def _encode_node(value: Any, path: str | None, arrays: dict[str, np.ndarray]) -> dict[str, Any]:
     if isinstance(value, torch.Tensor):
         name = path or ""
         arrays[name] = _to_array(value, name)
@@ -111,7 +104,7 @@ def _encode_node(value: Any, path: str | None, arrays: dict[str, Array]) -> dict
     )
 
 
-def _decode_node(node: Any, arrays: ArrayRecord, device: Any, used: set[str]) -> Any:
+def _decode_node(node: Any, arrays: dict[str, np.ndarray], device: Any, used: set[str]) -> Any:
     if "dict" in node:
         return {key: _decode_node(sub, arrays, device, used) for key, sub in node["dict"]}
     if "list" in node:
@@ -126,40 +119,36 @@ def _decode_node(node: Any, arrays: ArrayRecord, device: Any, used: set[str]) ->
     raise ValueError(f"malformed contrafl tree in the RecordDict: bad node {json.dumps(node)[:80]}")
 
 
-def _parts(record: RecordDict) -> tuple[ArrayRecord, dict[str, Any]]:
-    """The arrays and the parsed JSON structure of ``record``."""
-    arrays, config = record.get(ARRAYS), record.get(TREE)
-    if not isinstance(arrays, ArrayRecord) or not isinstance(config, ConfigRecord):
-        raise ValueError(f"not a RecordDict made by contrafl.flower.codec.encode (records: {sorted(record)})")
-    if config.get("format") != FORMAT:
-        raise ValueError(f"contrafl tree format {config.get('format')!r}, expected {FORMAT}")
+def _structure(record: RecordDict) -> dict[str, Any]:
+    """The parsed JSON structure of ``record``."""
+    _, config = records(record)
     try:
         structure = json.loads(config["json"])
     except (KeyError, TypeError, json.JSONDecodeError) as exc:
         raise ValueError(f"malformed contrafl tree in the RecordDict: {exc}") from None
     if not isinstance(structure, dict) or "dict" not in structure:
         raise ValueError("malformed contrafl tree in the RecordDict: the root is not a mapping")
-    return arrays, structure
+    return structure
 
 
-def _to_array(t: torch.Tensor, name: str) -> Array:
-    """``t`` on the CPU as an Array, through the same-width integer when numpy lacks its dtype."""
+def _to_array(t: torch.Tensor, name: str) -> np.ndarray:
+    """``t`` on the CPU as a numpy array, through the same-width integer when numpy lacks its dtype."""
     if t.layout != torch.strided:
         raise ValueError(f"cannot encode {_where(name)}: {t.layout} tensors are not supported")
     t = t.detach().cpu().resolve_conj().resolve_neg().contiguous()
     try:
-        return Array(t.numpy())
+        return t.numpy()
     except TypeError:  # bfloat16, float8, complex32
-        return Array(t.view(_SAME_WIDTH[t.element_size()]).numpy())
+        return t.view(_SAME_WIDTH[t.element_size()]).numpy()
 
 
-def _from_array(arrays: ArrayRecord, name: str, dtype_name: str, device: Any) -> torch.Tensor:
+def _from_array(arrays: dict[str, np.ndarray], name: str, dtype_name: str, device: Any) -> torch.Tensor:
     if name not in arrays:
         raise ValueError(f"array {name!r} of the tree is missing from the RecordDict")
     dtype = getattr(torch, dtype_name, None) if isinstance(dtype_name, str) else None
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"array {name!r} has unknown dtype {dtype_name!r}")
-    t = torch.from_numpy(arrays[name].numpy())
+    t = torch.from_numpy(arrays[name])
     if t.dtype != dtype:
         if t.dtype != _SAME_WIDTH.get(dtype.itemsize):
             raise ValueError(f"array {name!r} holds {t.dtype}, which cannot carry the tree's {dtype}")

@@ -78,7 +78,7 @@ import numpy as np
 from . import require_flwr
 
 require_flwr()
-from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MessageType, RecordDict  # noqa: E402
+from flwr.app import ArrayRecord, ConfigRecord, Error, Message, MessageType, RecordDict  # noqa: E402
 from flwr.common import Code, FitIns, FitRes, Parameters, Status, ndarrays_to_parameters, parameters_to_ndarrays  # noqa: E402
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key, Stage  # noqa: E402
 from flwr.compat.common import recorddict_compat as compat  # noqa: E402
@@ -86,6 +86,7 @@ from flwr.compat.common import recorddict_compat as compat  # noqa: E402
 from ..errors import ClientUpdateError, ContraflError  # noqa: E402
 from ..files import write_atomic  # noqa: E402
 from .node import USER_ERROR, NodeSettings, client_state_dir, reported  # noqa: E402
+from .packed import named_arrays, record_of  # noqa: E402
 from .wire import pack, unpack  # noqa: E402
 
 #: Every float value a client sends is clipped to +-CLIPPING_RANGE (SecAgg+'s default is 8).
@@ -193,9 +194,8 @@ def is_masked(name: str, dtype: str) -> bool:
     )
 
 
-def as_float32(array: Array, dtype: str) -> np.ndarray:
-    """A floating-point tensor of the tree's ``dtype`` (the codec's ``array``) in float32."""
-    values = array.numpy()
+def as_float32(values: np.ndarray, dtype: str) -> np.ndarray:
+    """A floating-point tensor of the tree's ``dtype`` (the codec's array ``values``) in float32."""
     if dtype in _NUMPY_FLOATS:
         return values.astype(np.float32)
     import torch  # bfloat16 and the float8 types travel as integers of their width
@@ -226,13 +226,10 @@ def reply_fitres(reply: RecordDict, rounding_seed: int) -> RecordDict:
     top = tree_nodes(reply)
     if "rejected" in top:
         raise UpdateRejected(str(top["rejected"]["value"]))
-    arrays = reply["arrays"]
+    arrays = named_arrays(reply)
     dtypes = tensor_dtypes(top["payload"])
     secure = [name for name in arrays if name in dtypes and is_masked(name, dtypes[name])]
-    rest = RecordDict({
-        "arrays": ArrayRecord({name: a for name, a in arrays.items() if name not in secure}, keep_input=False),
-        "tree": reply["tree"],
-    })
+    rest = record_of({name: a for name, a in arrays.items() if name not in secure}, str(reply["tree"]["json"]))
     fitres = FitRes(
         Status(Code.OK, ""),
         ndarrays_to_parameters([as_float32(arrays[name], dtypes[name]) for name in secure]),
@@ -334,6 +331,11 @@ def check_ledger(path: Path, t: int, clients: list[int]) -> None:
         ledger = json.loads(path.read_text()) if path.exists() else {}
     except (OSError, ValueError) as exc:
         raise ContraflError(f"{path}: cannot read this client's ledger of secure sums ({exc}); restore it (deleting it lets the server unmask the rounds again)") from None
+    if not isinstance(ledger, dict) or not all(isinstance(v, list) and all(type(c) is int for c in v) for v in ledger.values()):
+        raise ContraflError(
+            f"{path}: this client's ledger of secure sums is not JSON {{round: [client ids]}} ({json.dumps(ledger)[:60]}); "
+            "restore it (deleting it lets the server unmask the rounds again)"
+        )
     before = ledger.get(str(t))
     if before is None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -362,9 +364,9 @@ def outcome_tree(fitres: FitRes) -> RecordDict:
     rest = unpack(bytes(fitres.metrics[REST]))
     names = json.loads(str(fitres.metrics[SECURE]))
     mean = parameters_to_ndarrays(fitres.parameters)
-    arrays = dict(rest["arrays"].items())
-    arrays.update({name: Array(as_dtype(m, dtype)) for (name, dtype), m in zip(names, mean, strict=True)})
-    return RecordDict({"arrays": ArrayRecord(arrays, keep_input=False), "tree": rest["tree"]})
+    arrays = named_arrays(rest)
+    arrays.update({name: as_dtype(m, dtype) for (name, dtype), m in zip(names, mean, strict=True)})
+    return record_of(arrays, str(rest["tree"]["json"]))
 
 
 class SecureRound:

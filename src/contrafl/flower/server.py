@@ -63,6 +63,8 @@ class GridTransport:
         waited: told the seconds a round waited for nodes to say whom they serve (the
             SuperNodes start, their clients load): a progress that leaves them out of
             its pace (:meth:`contrafl.engine.progress.Progress.waited`).
+        secret: the round's clients are a secret (``sampling=secret``): an error that
+            stops a round names none of them.
     """
 
     runtime = "flower"
@@ -70,9 +72,11 @@ class GridTransport:
     def __init__(
         self, grid: Grid, num_clients: int, round_timeout: float, min_replies: int, wait_nodes: float = 120.0,
         checkpointed: Callable[[], int] = lambda: 0, waited: Callable[[float], None] = lambda seconds: None,
+        secret: bool = False,
     ) -> None:
         self.grid = grid
         self.waited = waited
+        self.secret = secret
         self.num_clients = num_clients
         self.round_timeout = round_timeout
         self.min_replies = min_replies
@@ -111,7 +115,10 @@ class GridTransport:
     def too_few(self, t: int, replies: str, lost: dict[int, str]) -> ContraflError:
         """The error that stops round ``t`` with ``replies`` (how many clients replied, or
         could), fewer than it needs; ``lost``: why the others did not."""
-        why = "; ".join(f"client {cid}: {reason}" for cid, reason in sorted(lost.items()))
+        if self.secret:
+            why = "; ".join(sorted(set(lost.values())))
+        else:
+            why = "; ".join(f"client {cid}: {reason}" for cid, reason in sorted(lost.items()))
         return ContraflError(
             f"round {t + 1}: {replies}, fewer than min_replies={self.min_replies} ({why}); "
             "resume the run once their SuperNodes are up and fit the run"

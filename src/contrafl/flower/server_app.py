@@ -109,11 +109,11 @@ def run(grid: Grid, context: Context) -> None:
     progress = Progress(setup.config.rounds)
     sim = resume(setup, run_dir, progress)
     settings = (setup.config.num_clients, float(rc["round-timeout"]), int(rc["min-replies"]), float(rc["wait-nodes"]))
+    hooks = {"checkpointed": lambda: sim.checkpointed, "waited": progress.waited, "secret": setup.config.sampling == "secret"}
     if secure:
         largest = max(len(rows) for rows in setup.partition.train)
-        sim.transport = SecureTransport(grid, context, setup.config.seed, largest, *settings, checkpointed=lambda: sim.checkpointed,
-                                        waited=progress.waited)
+        sim.transport = SecureTransport(grid, context, setup.config.seed, largest, *settings, **hooks)
     else:
-        sim.transport = GridTransport(grid, *settings, checkpointed=lambda: sim.checkpointed, waited=progress.waited)
+        sim.transport = GridTransport(grid, *settings, **hooks)
     summary = sim.run()
     print(f"contrafl: {summary['status']} after {count(summary['rounds_completed'], 'round')}; results in {run_dir.path}")
