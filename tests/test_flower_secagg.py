@@ -32,12 +32,13 @@ from flwr.compat.common import recorddict_compat as compat  # noqa: E402
 from conftest import error_reply  # noqa: E402
 from contrafl.errors import ContraflError  # noqa: E402
 from contrafl.flower.codec import decode, encode  # noqa: E402
-from contrafl.flower.packed import named_arrays  # noqa: E402
 from contrafl.flower.node import USER_ERROR  # noqa: E402
+from contrafl.flower.packed import named_arrays  # noqa: E402
 from contrafl.flower.secagg import (  # noqa: E402
-    CLIPPING_RANGE, LEDGER, QUANTIZATION_RANGE, REJECTED, REST, SecureRound, UpdateRejected, outcome_tree, reply_fitres,
-    request_fitins, secure_mod, tensor_dtypes,
+    CLIPPING_RANGE, LEDGER, QUANTIZATION_RANGE, REJECTED, REST, SECURE, SecureRound, UpdateRejected, reply_fitres, request_fitins,
+    secure_mod,
 )
+from contrafl.flower.secure_sums import STEP, SumRejected, SumSpec, rebuild, tensor_dtypes  # noqa: E402
 from contrafl.flower.wire import unpack  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("task_identity")
@@ -101,8 +102,9 @@ def run_round(
     context = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={})
     node_of = {cid: cid + 1 for cid in range(len(apps))}
     participants = {node: cid for cid, node in node_of.items()}
-    fitins = {cid: request_fitins(encode({"round": t, "client": cid}), cid, participants) for cid in node_of}
-    return SecureRound(grid, context, timeout=5.0, max_weight=max_weight).exchange(t, node_of, fitins)
+    spec = SumSpec(max(1, round(max_weight)))
+    fitins = {cid: request_fitins(encode({"round": t, "client": cid}), cid, participants, spec) for cid in node_of}
+    return SecureRound(grid, context, timeout=5.0, spec=spec).exchange(t, node_of, fitins)
 
 
 def secure_round(updates: list[tuple[np.ndarray, int]], drop_at: dict[int, str], run_dir: Path) -> tuple[dict[int, FitRes], dict[int, Message]]:
@@ -268,11 +270,19 @@ def replying(tree: dict, seed: int, fitres_seen: list[FitRes]) -> ClientApp:
     (:func:`reply_fitres`); the FitRes it made goes to ``fitres_seen``."""
 
     def app(msg: Message) -> Message:
-        content = reply_fitres(encode(tree), seed)
+        content = reply_fitres(encode(tree), seed, SumSpec(30))
         fitres_seen.append(compat.recorddict_to_fitres(content, keep_input=True))
         return Message(content, reply_to=msg)
 
     return app
+
+
+def rebuilt(results: dict[int, FitRes], spec: SumSpec, expected: int | None = None) -> dict[int, dict]:
+    """The replies the server rebuilds from a round's unmasked sums, decoded."""
+    mean = parameters_to_ndarrays(next(iter(results.values())).parameters)
+    rests = {cid: unpack(bytes(f.metrics[REST])) for cid, f in results.items()}
+    layouts = {cid: str(f.metrics[SECURE]) for cid, f in results.items()}
+    return {cid: decode(record) for cid, record in rebuild(mean, rests, layouts, spec, expected).items()}
 
 
 def test_every_floating_point_tensor_is_masked_and_averaged_in_its_own_dtype(tmp_path):
@@ -298,9 +308,10 @@ def test_every_floating_point_tensor_is_masked_and_averaged_in_its_own_dtype(tmp
         rest = unpack(bytes(fitres.metrics[REST]))
         dtypes = tensor_dtypes(json.loads(str(rest["tree"]["json"])))
         assert sorted(named_arrays(rest)) == ["payload/steps"] and dtypes["payload/steps"] == "int64"
-        assert len(parameters_to_ndarrays(fitres.parameters)) == len(FLOATS)
-    for cid, fitres in results.items():
-        payload = decode(outcome_tree(fitres))["payload"]
+        assert len(parameters_to_ndarrays(fitres.parameters)) == len(FLOATS) + 1  # and the whole numbers' digits
+        assert fitres.num_examples == 30
+    for cid, tree in rebuilt(results, SumSpec(30), expected=total).items():
+        payload = tree["payload"]
         assert torch.equal(payload["steps"], trees[cid]["payload"]["steps"])
         for dtype in FLOATS:
             mean = sum(tree["payload"][name(dtype)].double() * tree["num_samples"] for tree in trees) / total
@@ -313,10 +324,10 @@ def test_a_rejected_or_uncarriable_reply_is_said_in_one_line():
     reply of code REJECTED carries the reason), and refuses a payload tensor that is
     neither floating-point nor integer (complex) with one line."""
     with pytest.raises(UpdateRejected, match=r"^'model.w' has non-finite values \(1 NaN, 0 infinite\)$"):
-        reply_fitres(encode({"rejected": "'model.w' has non-finite values (1 NaN, 0 infinite)"}), 0)
-    tree = {"payload": {"z": torch.zeros(2, dtype=torch.complex64)}, "num_samples": 1}
+        reply_fitres(encode({"rejected": "'model.w' has non-finite values (1 NaN, 0 infinite)"}), 0, SumSpec(1))
+    tree = {"payload": {"z": torch.zeros(2, dtype=torch.complex64)}, "num_samples": 1, "loss": 0.5, "steps": 1, "parts": {}}
     with pytest.raises(ContraflError, match="payload tensor 'payload/z' has dtype complex64, which secure aggregation cannot carry") as info:
-        reply_fitres(encode(tree), 0)
+        reply_fitres(encode(tree), 0, SumSpec(1))
     assert len(str(info.value).splitlines()) == 1
 
 
@@ -366,15 +377,15 @@ def secure_simulation(run_dir: Path, grid_of: Callable[[Path], object], *setting
     from contrafl.engine.setup import prepare
     from contrafl.engine.simulation import resume
     from contrafl.flower.deploy import prepare_run
-    from contrafl.flower.server import SecureTransport
+    from contrafl.flower.server import SecureTransport, sum_spec
 
     overrides = ["algorithm=fedavg", "num_clients=4", "rounds=1", "local_epochs=1", "executor=sequential", "eval_personal=false", *settings]
     prepare_run(load_config(None, overrides), run_dir)
     setup = prepare(load_config(run_dir / "config.yaml"))
     sim = resume(setup, RunDir(run_dir, resume=True))
     context = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={})
-    largest = max(len(rows) for rows in setup.partition.train)
-    sim.transport = SecureTransport(grid_of(run_dir), context, setup.config.seed, largest, setup.config.num_clients, 30.0, min_replies, 0.5)
+    spec, weights = sum_spec(setup, None)
+    sim.transport = SecureTransport(grid_of(run_dir), context, setup.config.seed, spec, weights, setup.config.num_clients, 30.0, min_replies, 0.5)
     return sim
 
 
@@ -425,9 +436,9 @@ def test_the_server_refuses_a_secure_round_of_fewer_than_3_clients(tmp_path):
     context = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={})
     for clients, min_replies, why in ((2, 2, "a round of 2 clients is fewer than the 3 a secure sum needs"), (4, 2, "min_replies=2 lets a round end with fewer than the 3 updates")):
         with pytest.raises(ConfigError, match=why) as info:
-            SecureTransport(AppGrid(tmp_path, 4), context, 0, 10, clients, 30.0, min_replies)
+            SecureTransport(AppGrid(tmp_path, 4), context, 0, SumSpec(10), None, clients, 30.0, min_replies)
         assert "flwrlabs/flower#7522" in str(info.value) and len(str(info.value).splitlines()) == 1
-    transport = SecureTransport(AppGrid(tmp_path, 4, online=[1, 2]), context, 0, 10, 4, 30.0, 3, 0.2)
+    transport = SecureTransport(AppGrid(tmp_path, 4, online=[1, 2]), context, 0, SumSpec(10), None, 4, 30.0, 3, 0.2)
     transport.partition_of = {1: 0, 2: 1}  # what nodes 1 and 2 answered to the server's query
     with pytest.raises(ContraflError, match="round 1: a round of 2 clients is fewer than the 3 a secure sum needs"):
         next(transport.train(0, [0, 1], lambda cid: {}, []))
@@ -456,3 +467,115 @@ def test_deploy_refuses_secure_aggregation_with_rounds_of_fewer_than_3_clients(t
     assert not (tmp_path / "run").exists()
     assert main(["deploy", "--secure-aggregation", "--prepare-only", "--insecure", "--out", str(tmp_path / "run"), "num_clients=3"]) == 0
     assert "min-replies = 3" in (tmp_path / "run" / "flower-run.toml").read_text()
+
+
+# -- the secure sums: what the server learns, and what a lying client can do -----------------
+C, D = 4, 3  # labels, representation width of the FedCRL-like tables below
+
+
+def table_tree(cid: int, gen: torch.Generator) -> dict:
+    """A FedCRL-like train reply: a body, a per-label table whose counts sum to the
+    client's sample count, and the scalars a reply carries."""
+    counts = torch.randint(0, 9, (C,), generator=gen)
+    counts[cid % C] = 0  # every client lacks a label
+    return {
+        "payload": {"body": {"w": torch.rand(5, generator=gen) * 2 - 1},
+                    "prototypes": {"reps": torch.rand(C, D, generator=gen) * 2 - 1, "counts": counts}},
+        "num_samples": int(counts.sum()), "loss": 3.25 * (cid + 1), "steps": 7 + cid, "parts": {"ce": 1.5 * cid, "con": -0.25},
+        "time": None, "straggler": None,
+    }
+
+
+def sum_round(tmp_path, trees: list[dict], spec: SumSpec, change=None) -> tuple[dict[int, FitRes], list[FitRes]]:
+    """A SecAgg+ round of contrafl's ClientApp split (:func:`reply_fitres`) of each of
+    ``trees``; ``change(cid, parameters)`` may alter what a client masks (a lying
+    client, which skips its own checks)."""
+    seen: list[FitRes] = []
+
+    def app_of(cid: int, tree: dict) -> ClientApp:
+        def app(msg: Message) -> Message:
+            fitres = compat.recorddict_to_fitres(reply_fitres(encode(tree), cid, spec), keep_input=True)
+            if change is not None:
+                fitres.parameters = ndarrays_to_parameters(change(cid, parameters_to_ndarrays(fitres.parameters)))
+            seen.append(fitres)
+            return Message(compat.fitres_to_recorddict(fitres, keep_input=True), reply_to=msg)
+        return app
+
+    results, errors = run_round([app_of(cid, tree) for cid, tree in enumerate(trees)], {}, tmp_path, spec.max_weight)
+    assert sorted(results) == list(range(len(trees))) and not errors, errors
+    return results, seen
+
+
+def test_secure_sums_give_the_weighted_means_and_per_label_means_and_hide_every_count(tmp_path):
+    """Label tables go through the secure sum: each label's mean weighted by the clients'
+    counts (FedCRL's eq. 6), the label totals as counts, the body's sample-weighted mean,
+    the round's total samples, steps and loss shared out. A curious server that reads
+    every field it receives (the clear rest, the layout, the sums) finds no client's
+    sample count, label counts, steps or loss."""
+    gen = torch.Generator().manual_seed(3)
+    trees = [table_tree(cid, gen) for cid in range(3)]
+    spec = SumSpec(40)
+    results, seen = sum_round(tmp_path, trees, spec)
+    total = sum(t["num_samples"] for t in trees)
+    out = rebuilt(results, spec, expected=total)
+    counts = sum(t["payload"]["prototypes"]["counts"] for t in trees)
+    for cid, tree in out.items():
+        protos = tree["payload"]["prototypes"]
+        assert torch.equal(protos["counts"], counts) and protos["counts"].dtype == torch.int64
+        for label in range(C):
+            if counts[label]:
+                mean = sum(t["payload"]["prototypes"]["counts"][label] * t["payload"]["prototypes"]["reps"][label].double() for t in trees) / counts[label]
+                assert (protos["reps"][label].double() - mean).abs().max() < 3 * STEP * spec.max_weight / int(counts[label]) + 1e-6
+            else:
+                assert not protos["reps"][label].any()
+        body = sum(t["payload"]["body"]["w"].double() * t["num_samples"] for t in trees) / total
+        assert (tree["payload"]["body"]["w"].double() - body).abs().max() < 3 * STEP * spec.max_weight / total + 1e-6
+    assert sum(t["num_samples"] for t in out.values()) == total and sum(t["steps"] for t in out.values()) == sum(t["steps"] for t in trees)
+    assert sum(t["loss"] for t in out.values()) == pytest.approx(sum(t["loss"] for t in trees), abs=1e-4)
+    assert sum(t["parts"]["con"] for t in out.values()) == pytest.approx(-0.75, abs=1e-4)
+
+    def values(node):  # every scalar of a codec tree's JSON
+        if "value" in node:
+            return [node["value"]]
+        subs = [sub for _, sub in node["dict"]] if "dict" in node else node.get("list", node.get("tuple", []))
+        return [v for sub in subs for v in values(sub)]
+
+    assert len({str(f.metrics[SECURE]) for f in seen}) == 1  # the layout is the same for every client: it tells nothing of one
+    for fitres in seen:  # the curious server: all it gets in the clear is the structure
+        rest = unpack(bytes(fitres.metrics[REST]))
+        assert set(values(json.loads(str(rest["tree"]["json"])))) == {None} and named_arrays(rest) == {}
+        assert fitres.num_examples == spec.max_weight and set(fitres.metrics) == {REST, SECURE}
+
+
+def test_a_client_that_skips_its_checks_or_lies_about_its_weight_gets_the_round_rejected(tmp_path):
+    """Issue #53 N6/D5: what a lying client sends enters only sums, which the server
+    checks: NaN values (its own check skipped), values pushed outside the clipping
+    range, a tripled weight where the server knows the clients' counts, and forged label
+    counts each reject the round's sum with one line; an honest round passes."""
+    gen = torch.Generator().manual_seed(5)
+    trees = [table_tree(cid, gen) for cid in range(3)]
+    spec, total = SumSpec(40), sum(t["num_samples"] for t in trees)
+    results, _ = sum_round(tmp_path / "honest", trees, spec)
+    rebuilt(results, spec, expected=total)
+
+    def nan(cid, params):
+        return [np.full_like(p, np.nan) if cid == 1 else p for p in params]
+
+    def pushed(cid, params):  # client 1's weighted body times 1000 (SecAgg+'s mod then clips it to +-8)
+        return [p * 1000 if cid == 1 and i == len(params) - 2 else p for i, p in enumerate(params)]
+
+    forged = {**trees[2], "payload": {**trees[2]["payload"], "prototypes": {**trees[2]["payload"]["prototypes"]}}}
+    forged["payload"]["prototypes"]["counts"] = trees[2]["payload"]["prototypes"]["counts"].clone()
+    forged["payload"]["prototypes"]["counts"][0] = 10**12
+    cases = {  # what is rejected: (the replies, how a client alters its masked part, the public spec, the known total)
+        "its securely summed counts are not whole numbers in range": (trees, nan, spec, total),
+        "its mean of 'payload/body/w' leaves the clipping range": (trees, pushed, spec, total),
+        f"its securely summed weight is {total + 2 * trees[1]['num_samples']}, but its clients hold {total} samples":
+            ([*trees[:1], {**trees[1], "num_samples": 3 * trees[1]["num_samples"]}, *trees[2:]], None, SumSpec(200), total),
+        "its summed label counts": ([*trees[:2], forged], None, SumSpec(10**13), None),
+    }
+    for k, (case, (sent, change, case_spec, expected)) in enumerate(cases.items()):
+        results, _ = sum_round(tmp_path / str(k), sent, case_spec, change)
+        with pytest.raises(SumRejected) as info:
+            rebuilt(results, case_spec, expected=expected)
+        assert case in str(info.value) and "\n" not in str(info.value), (case, str(info.value))

@@ -221,11 +221,18 @@ def test_prepare_only_prints_each_nodes_command_with_its_own_data(tmp_path, site
     assert not dataclasses.asdict(cfg)["data_dir"]
 
 
-def test_secure_aggregation_is_refused_where_the_server_does_not_know_the_largest_client(tmp_path, sites):
+def test_secure_aggregation_with_sites_data_needs_a_public_max_weight(tmp_path, sites):
+    """The server of node_data=own knows no client's sample count: secure aggregation
+    weighs the updates by a public bound, --max-weight, which it needs (not under
+    dp=local, where every reply weighs 1 and labels are hidden)."""
     from contrafl.flower.deploy import check_settings
 
-    with pytest.raises(ConfigError, match="largest client's sample count.*without --secure-aggregation"):
+    with pytest.raises(ConfigError, match="secure aggregation with node_data=own needs --max-weight N, a public bound"):
         check_settings(resolve_own("fedavg"), 600, 3, secure_aggregation=True)
+    check_settings(resolve_own("fedavg"), 600, 3, secure_aggregation=True, max_weight=500)
+    check_settings(resolve_own("fedcrl"), 600, 3, secure_aggregation=True, max_weight=500)
+    with pytest.raises(ConfigError, match="--max-weight 500 bounds the weights of secure sums; add --secure-aggregation"):
+        check_settings(resolve_own("fedavg"), 600, 3, max_weight=500)
 
 
 def resolve_own(algorithm: str):

@@ -337,7 +337,8 @@ def cmd_deploy(ns: argparse.Namespace) -> int:
         raise ConfigError(f"--wait-nodes {ns.wait_nodes:g} must be a number of seconds, 0 or more")
     if ns.supernode_poll is not None and not ns.supernode_poll > 0:
         raise ConfigError(f"--supernode-poll {ns.supernode_poll:g} must be a positive number of seconds (3 waits as long as Flower's own SuperNode)")
-    given = {"round_timeout": ns.round_timeout, "min_replies": ns.min_replies, "wait_nodes": ns.wait_nodes, "supernode_poll": ns.supernode_poll}
+    given = {"round_timeout": ns.round_timeout, "min_replies": ns.min_replies, "wait_nodes": ns.wait_nodes, "supernode_poll": ns.supernode_poll,
+             "max_weight": ns.max_weight}
     if ns.resume:
         if ns.args or ns.out or ns.prepare_only:
             raise ConfigError("contrafl deploy --resume RUN_DIR takes no config, KEY=VALUE, --out or --prepare-only: the run keeps its own config.yaml")
@@ -365,13 +366,14 @@ def cmd_deploy(ns: argparse.Namespace) -> int:
             tls=tls, auth=auth, secure_aggregation=secure, min_replies=min(3, cfg.num_clients) if secure else 1,
             wait_nodes=Settings.wait_nodes if ns.prepare_only else LOCAL_WAIT_NODES_S, node_data=tuple(ns.node_data or ()),
         ).overridden(path, given, weaker_allowed=False)
-    check_settings(cfg, settings.round_timeout, settings.min_replies, settings.secure_aggregation)
+    check_settings(cfg, settings.round_timeout, settings.min_replies, settings.secure_aggregation, settings.max_weight)
     if ns.prepare_only:
         check_hosts(ns.server_host or (), settings.tls)
         check_node_data(cfg, settings.node_data, required=False)
         cfg = prepare_run(cfg, path)
         print(commands(path, cfg, settings.round_timeout, settings.min_replies, settings.wait_nodes, server_hosts=ns.server_host or (), tls=settings.tls,
-                       auth=settings.auth, secure_aggregation=settings.secure_aggregation, node_data=settings.node_data))
+                       auth=settings.auth, secure_aggregation=settings.secure_aggregation, node_data=settings.node_data,
+                       max_weight=settings.max_weight))
         return 0
     check_node_data(cfg, settings.node_data, required=True)
     if not ns.resume:
@@ -756,9 +758,14 @@ def build_parser() -> argparse.ArgumentParser:
             "needs TLS; the default with --prepare-only",
             "any SuperNode that reaches the SuperLink may join (the default on this machine)")
     _switch(dep, "--secure-aggregation", "--no-secure-aggregation", "secure_aggregation",
-            "train through Flower's SecAgg+: the server sees only the sample-weighted mean of the clients' "
-            "updates (up to the protocol's quantisation); algorithms whose server needs single updates refuse it",
+            "train through Flower's SecAgg+: the server sees only sums over the round's clients (the weighted mean of "
+            "their updates, up to the protocol's quantisation; total samples, steps, loss and label counts); "
+            "algorithms whose server needs single updates refuse it",
             "no secure aggregation (the default; with --resume of a run that had it, only with --allow-weaker-security)")
+    dep.add_argument("--max-weight", type=int, default=None, metavar="N",
+                     help="with --secure-aggregation and --node-data: a public bound on every site's training samples (each "
+                          "update is weighted by its count over N inside the masks; a site with more refuses); not needed "
+                          "under dp=local, nor where the server holds the data (the largest client's count)")
     dep.add_argument("--round-timeout", type=float, default=None, metavar="S",
                      help="seconds a round waits for replies before the missing clients count as lost (default 600; "
                           "--resume: the run's own)")

@@ -354,11 +354,21 @@ class Algorithm:
 
     @classmethod
     def beyond_weighted_mean(cls, params: Any) -> str | None:
-        """Why :meth:`aggregate` needs more than the sample-weighted mean of the replies'
-        payloads (all of a payload's tensors weighted by ``num_samples``), which is all
-        secure aggregation reveals; None when that mean suffices. Beyond
+        """Why :meth:`aggregate` needs more than the weighted means of the replies'
+        payloads, which is all secure aggregation reveals: every tensor weighted by the
+        reply's ``num_samples``, and the rows of a per-label table (``reps`` and
+        ``counts``) by :meth:`label_weighting`; None when those means suffice (the
+        aggregate of equal payloads is then the payload). Beyond
         :meth:`individual_updates`: an aggregate of sums weighted otherwise."""
         return cls.individual_updates(params)
+
+    @classmethod
+    def label_weighting(cls, params: Any) -> str:
+        """How :meth:`aggregate` weighs a client's row of a per-label table:
+        ``"counts"`` (the label's count, FedCRL's eq. 6) or ``"uniform"`` (one for each
+        client that holds the label); see
+        :func:`~contrafl.algorithms.prototypes.aggregate_prototypes`."""
+        return "counts"
 
     @classmethod
     def needs_all_clients_data(cls, params: Any) -> str | None:

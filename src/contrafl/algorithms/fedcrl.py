@@ -121,6 +121,14 @@ class FedCRL(Algorithm):
     def individual_updates(cls, params: Any) -> str | None:
         return "FedCRL's server averages each label's representation over the clients that hold the label (their counts weigh it)"
 
+    @classmethod
+    def beyond_weighted_mean(cls, params: Any) -> str | None:
+        return None  # each label's mean of the rows weighted by label_weighting: what secure aggregation sums
+
+    @classmethod
+    def label_weighting(cls, params: Any) -> str:
+        return params.weighting
+
     def aggregate(self, server: ServerState, replies: list[Reply], round: int) -> ServerState:
         body = weighted_average([r.payload["body"] for r in replies], sample_weights(replies))
         previous = previous_for(server.extras, self.params.missing_label)

@@ -84,6 +84,14 @@ class FedProto(Algorithm):
     def individual_updates(cls, params: Any) -> str | None:
         return "FedProto's server averages each label's prototype over the clients that hold the label"
 
+    @classmethod
+    def beyond_weighted_mean(cls, params: Any) -> str | None:
+        return None  # each label's mean of the rows weighted by label_weighting: what secure aggregation sums
+
+    @classmethod
+    def label_weighting(cls, params: Any) -> str:
+        return params.weighting
+
     def aggregate(self, server: ServerState, replies: list[Reply], round: int) -> ServerState:
         previous = previous_for(server.extras, self.params.missing_label)
         protos = aggregate_prototypes([r.payload["prototypes"] for r in replies], self.params.weighting, previous)

@@ -44,14 +44,14 @@ def serve(msg: Message, context: Context) -> Message:
     try:
         settings = NodeSettings.of(context)
         settings.check()
-        request, rounding_seed = (unwrap_request(msg.content) if is_secure_request(msg.content) else (msg.content, None))
+        request, rounding_seed, spec = unwrap_request(msg.content) if is_secure_request(msg.content) else (msg.content, None, None)
         if settings.worker:
             content = worker.request(settings, msg.metadata.message_type, request)
         else:
             from .client import FlowerClient
 
             content = FlowerClient.of(settings).answer(msg.metadata.message_type, request)
-        return Message(content if rounding_seed is None else reply_fitres(content, rounding_seed), reply_to=msg)
+        return Message(content if spec is None else reply_fitres(content, rounding_seed, spec), reply_to=msg)
     except UpdateRejected as exc:
         print(f"contrafl: this client's update is rejected before masking and enters no secure sum: {exc}", file=sys.stderr, flush=True)
         return Message(Error(REJECTED, str(exc)), reply_to=msg)

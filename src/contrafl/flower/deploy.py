@@ -53,20 +53,22 @@ def prepare_run(cfg: Config, path: Path) -> Config:
 
 def run_config(
     path: Path, round_timeout: float, min_replies: int, wait_nodes: float = 120.0, secure_aggregation: bool = False,
+    max_weight: int | None = None,
 ) -> dict[str, str | float | int | bool]:
-    """The app's run config for the run directory ``path`` (``secure-aggregation`` only
-    when set: flwr refuses a key an app does not declare, and apps built on contrafl's
-    ServerApp before it may not)."""
+    """The app's run config for the run directory ``path`` (``secure-aggregation`` and
+    ``max-weight`` only when set: flwr refuses a key an app does not declare, and apps
+    built on contrafl's ServerApp before them may not)."""
     rc: dict[str, str | float | int | bool] = {
         "run-dir": str(Path(path).resolve()), "round-timeout": round_timeout, "min-replies": min_replies, "wait-nodes": wait_nodes,
     }
-    return rc | ({"secure-aggregation": True} if secure_aggregation else {})
+    return rc | ({"secure-aggregation": True} if secure_aggregation else {}) | ({"max-weight": max_weight} if max_weight else {})
 
 
-def check_settings(cfg: Config, round_timeout: float, min_replies: int, secure_aggregation: bool = False) -> None:
+def check_settings(cfg: Config, round_timeout: float, min_replies: int, secure_aggregation: bool = False, max_weight: int | None = None) -> None:
     """:class:`ConfigError` unless ``round_timeout`` and ``min_replies`` fit ``cfg``, its
     DP noise (if any) is secret, and its algorithm and settings can take
-    ``secure_aggregation``."""
+    ``secure_aggregation`` (with ``node_data=own``, a public ``max_weight``, unless
+    ``dp=local`` weighs every reply 1)."""
     if not 0 < round_timeout:
         raise ConfigError(f"round_timeout={round_timeout:g} must be positive (seconds a round waits for replies)")
     if cfg.dp.name != "none" and cfg.dp.options.get("noise") == "reproducible":
@@ -76,10 +78,16 @@ def check_settings(cfg: Config, round_timeout: float, min_replies: int, secure_a
         )
     if not 0 <= min_replies <= cfg.num_clients:
         raise ConfigError(f"min_replies={min_replies} must be between 0 and num_clients={cfg.num_clients}")
-    if secure_aggregation and cfg.node_data == "own":
+    if max_weight is not None and not secure_aggregation:
+        raise ConfigError(f"--max-weight {max_weight} bounds the weights of secure sums; add --secure-aggregation, or leave it out")
+    if max_weight is not None and max_weight < 1:
+        raise ConfigError(f"--max-weight {max_weight} must be a whole number of samples, at least 1")
+    hidden = cfg.dp.name == "local" and cfg.dp.options.get("labels", "hide") == "hide"
+    if secure_aggregation and cfg.node_data == "own" and not hidden and max_weight is None:
         raise ConfigError(
-            "secure aggregation quantises each client's weight by the largest client's sample count, which the server of "
-            "node_data=own does not know (and must not learn from the masked sums); deploy without --secure-aggregation"
+            "secure aggregation with node_data=own needs --max-weight N, a public bound on every site's training samples "
+            "(each update is weighted by its sample count over N inside the masks, and a site with more refuses); "
+            "under dp=local (with dp.labels=hide) every reply weighs 1 and none is needed"
         )
     if secure_aggregation:
         from ..algorithms import ALGORITHMS
@@ -88,7 +96,7 @@ def check_settings(cfg: Config, round_timeout: float, min_replies: int, secure_a
         algo_cls = ALGORITHMS.get(cfg.algorithm.name)
         why = refusal(algo_cls, P.build(algo_cls.Params, cfg.algorithm.options, "algorithm"), cfg)
         if why is not None:
-            raise ConfigError(f"secure aggregation shows the server only the mean of the updates, but {why}; deploy without --secure-aggregation")
+            raise ConfigError(f"secure aggregation shows the server only sums over the clients, but {why}; deploy without --secure-aggregation")
         why = round_refusal(clients_per_round(cfg.num_clients, cfg.sample_fraction), min_replies)
         if why is not None:
             raise ConfigError(f"secure aggregation (SecAgg+): {why}, or deploy without --secure-aggregation")
@@ -141,12 +149,14 @@ SETTINGS = "deployment.json"
 class Settings:
     """The settings of a run's deployment, recorded when it starts
     (``flower/deployment.json``) and kept by ``contrafl deploy --resume``: its security
-    (TLS, SuperNode authentication, secure aggregation), each SuperNode's own data
-    (``node_data=own``, this machine's paths) and its timeouts. DP is the run's config."""
+    (TLS, SuperNode authentication, secure aggregation and its public ``max_weight``),
+    each SuperNode's own data (``node_data=own``, this machine's paths) and its
+    timeouts. DP is the run's config."""
 
     tls: bool = False
     auth: bool = False
     secure_aggregation: bool = False
+    max_weight: int | None = None
     round_timeout: float = 600.0
     min_replies: int = 1
     wait_nodes: float = 120.0
@@ -235,7 +245,7 @@ def deploy(
     every process is stopped, ``summary.json`` says how the run ended (:func:`record_stop`)
     and a :class:`ContraflError` says it in one line: what died or what failed, the last
     round completed and the ``--resume`` command; the checkpoint is kept."""
-    check_settings(cfg, settings.round_timeout, settings.min_replies, settings.secure_aggregation)
+    check_settings(cfg, settings.round_timeout, settings.min_replies, settings.secure_aggregation, settings.max_weight)
     check_node_data(cfg, settings.node_data, required=True)
     if not prepared:
         cfg = prepare_run(cfg, path)
@@ -253,7 +263,8 @@ def deploy(
         with deployment:
             if deployment.leftovers and echo is not None:
                 print(f"contrafl: ended what the run's earlier deployment left running: {', '.join(deployment.leftovers)}", file=echo, flush=True)
-            rc = run_config(path, settings.round_timeout, settings.min_replies, settings.wait_nodes, settings.secure_aggregation)
+            rc = run_config(path, settings.round_timeout, settings.min_replies, settings.wait_nodes, settings.secure_aggregation,
+                            settings.max_weight)
             result = deployment.run(APP_DIR, rc, timeout=timeout, echo=echo)
     except (FlowerLaunchError, KeyboardInterrupt) as exc:
         raise record_stop(path, cfg.rounds, exc) from None
@@ -331,7 +342,7 @@ SUPEREXEC_HOST = "127.0.0.1"
 def commands(
     path: Path, cfg: Config, round_timeout: float = 600.0, min_replies: int = 1, wait_nodes: float = 120.0, *,
     server_hosts: Sequence[str] = (), tls: bool = False, auth: bool = False, secure_aggregation: bool = False,
-    node_data: Sequence[str] = (),
+    node_data: Sequence[str] = (), max_weight: int | None = None,
 ) -> str:
     """How to run the prepared run directory ``path`` of the resolved config ``cfg`` on a
     Flower deployment of one's own (SuperLink and SuperNodes on any machines): the
@@ -346,14 +357,15 @@ def commands(
     the commands register the public keys with the SuperLink and give each SuperNode
     its private key. ``node_data`` (``node_data=own``): each client's own data on its
     machine, in client order (default: ``DATA_K``), named in its command; such a client's
-    machine needs only ``config.yaml`` of the run directory."""
+    machine needs only ``config.yaml`` of the run directory. ``max_weight``: the public
+    bound on a client's sample count of secure aggregation with ``node_data=own``."""
     if auth and not tls:
         raise ConfigError("SuperNode authentication needs TLS (flwr 1.41 refuses --enable-supernode-auth with --insecure); drop --insecure, or add --no-auth")
-    check_settings(cfg, round_timeout, min_replies, secure_aggregation)
+    check_settings(cfg, round_timeout, min_replies, secure_aggregation, max_weight)
     check_hosts(server_hosts, tls)
     path = Path(path).resolve()
     rc = path / "flower-run.toml"
-    rc.write_text(toml_document(run_config(path, round_timeout, min_replies, wait_nodes, secure_aggregation=secure_aggregation)))
+    rc.write_text(toml_document(run_config(path, round_timeout, min_replies, wait_nodes, secure_aggregation, max_weight)))
     server = server_hosts[0] if server_hosts else "SERVER"
     address = f"[{server}]:{SUPERLINK_PORT}" if ":" in server else f"{server}:{SUPERLINK_PORT}"
     check_node_data(cfg, node_data, required=False)

@@ -1,6 +1,7 @@
-"""Secure aggregation on Flower: the server learns only the weighted mean of the clients'
-updates, through Flower's SecAgg+ (flwr 1.41's ``SecAggPlusWorkflow`` and
-``secaggplus_mod``).
+"""Secure aggregation on Flower: the server learns only sums over a round's clients (the
+weighted mean of their updates, per-label means, the totals of their sample counts,
+steps, losses and label counts), through Flower's SecAgg+ (flwr 1.41's
+``SecAggPlusWorkflow`` and ``secaggplus_mod``).
 
 flwr 1.41 runs SecAgg+ for its legacy message flow: the workflow asks a ``Strategy`` for
 each node's ``FitIns``, runs the protocol's four stages (setup, share keys, collect
@@ -22,24 +23,30 @@ contrafl fits its round into that flow:
   reply of code :data:`REJECTED` and the reason, and SecAgg+ unmasks the others' mean
   as for a client that dropped out; the server records the update as rejected, as a
   plain reply that failed validation (the run stops, or leaves it out);
-- otherwise the ClientApp splits its reply (:func:`reply_fitres`): every
-  floating-point tensor of the payload, by the dtype the reply's tree names (float16,
-  bfloat16, float32, float64, the float8 types; the codec carries bfloat16 and float8 as
-  integers), goes to SecAgg+ cast to float32, as the ``FitRes`` parameters weighted by
-  the reply's ``num_samples``; the structure, integer and bool tensors, the loss and
-  steps travel as a packed metric, in the clear. A payload tensor of any other dtype
-  (complex) is refused with one line;
-- the server rebuilds each client's reply with the mean in place of its floating-point
-  tensors, each cast back to its own dtype (:func:`outcome_tree`): the algorithm's
-  sample-weighted average of equal payloads is that mean, so ``aggregate`` gives the
-  plain deployment's model up to the protocol's quantisation (each value clipped to
-  +-``CLIPPING_RANGE``, rounded stochastically to ``2 * CLIPPING_RANGE /
-  QUANTIZATION_RANGE``) and the rounding to the tensor's dtype.
+- otherwise the ClientApp puts its reply into the round's secure sums
+  (:func:`reply_fitres`, :mod:`contrafl.flower.secure_sums`): its floating-point
+  tensors clipped to +-``CLIPPING_RANGE`` and weighted by ``num_samples / max_weight``
+  (a per-label table's rows by the label's count), and its whole numbers (sample
+  count, steps, loss, label counts) exactly, as base-256 digits; each ``FitRes`` has
+  weight 1, so SecAgg+ unmasks the plain sum over the clients. The structure, the
+  integer payload tensors outside label tables and the simulated time travel in the
+  clear; no sample count, loss, steps or label count does. ``max_weight`` is public: the
+  largest client's sample count where the server holds the data, ``--max-weight`` where
+  the sites keep theirs (``node_data=own``), 1 under ``dp=local``;
+- the server checks the sums and rebuilds each client's reply with the weighted means
+  in place of its tensors and its share of the totals
+  (:func:`~contrafl.flower.secure_sums.rebuild`): the algorithm's aggregate of equal
+  payloads is that mean, so it gives the plain deployment's model up to the protocol's
+  quantisation (each value rounded stochastically to ``2 * CLIPPING_RANGE /
+  QUANTIZATION_RANGE``, times ``max_weight`` over the round's total weight) and the
+  rounding to the tensor's dtype. Sums that fail a check (not finite, a mean outside
+  the clipping range, a total weight that is not the round's) reject the round's
+  aggregate with one line.
 
 The stochastic rounding draws from numpy's global generator, which the client seeds
 from ``(seed, "secagg", round, client)`` before the mod quantises: the masks cancel
-exactly, so a run is reproducible. Algorithms whose server needs more than this
-weighted mean refuse (:func:`refusal`).
+exactly, so a run is reproducible. Algorithms whose server needs more than these sums
+refuse (:func:`refusal`).
 
 **At least 3 clients** (:data:`MIN_CLIENTS`). flwr 1.41's SecAgg+ draws every mask from
 a Mersenne Twister seeded with 32 bits (``pseudo_rand_gen`` XORs the key down to 32
@@ -86,13 +93,9 @@ from flwr.compat.common import recorddict_compat as compat  # noqa: E402
 from ..errors import ClientUpdateError, ContraflError  # noqa: E402
 from ..files import write_atomic  # noqa: E402
 from .node import USER_ERROR, NodeSettings, client_state_dir, reported  # noqa: E402
-from .packed import named_arrays, record_of  # noqa: E402
+from .secure_sums import CLIPPING_RANGE, QUANTIZATION_RANGE, SumRejected, SumSpec, client_sums, rebuild  # noqa: E402
 from .wire import pack, unpack  # noqa: E402
 
-#: Every float value a client sends is clipped to +-CLIPPING_RANGE (SecAgg+'s default is 8).
-CLIPPING_RANGE = 8.0
-#: Quantisation levels over [-CLIPPING_RANGE, CLIPPING_RANGE] (SecAgg+'s default, 2**22).
-QUANTIZATION_RANGE = 2**22
 #: The share of a client's key shares that rebuild it: up to a third of the round's clients
 #: may drop out during the protocol and the others' mean is still unmasked.
 RECONSTRUCTION = 2 / 3
@@ -112,12 +115,9 @@ ROUNDING_SEED = "contrafl-rounding-seed"
 PARTICIPANTS = "contrafl-participants"
 REST = "contrafl-rest"
 SECURE = "contrafl-secure"
+SPEC = "contrafl-sum-spec"
 #: What a client's mod keeps of the collect stage for the unmask stage (in its context's state).
 ROUND_STATE = "contrafl-secagg-round"
-#: Payload dtypes (as the reply's tree names them) that travel in the clear.
-_CLEAR = ("bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64")
-#: Floating-point dtypes numpy has (the others travel as integers of their width).
-_NUMPY_FLOATS = ("float16", "float32", "float64")
 
 
 def refusal(algo_cls: type, algo_params: Any, cfg: Any) -> str | None:
@@ -131,6 +131,8 @@ def refusal(algo_cls: type, algo_params: Any, cfg: Any) -> str | None:
         return "dp=central clips each update at the server, which secure aggregation hides from it (dp=local adds the noise on the clients)"
     if cfg.round_deadline is not None:
         return "a straggler dropped at round_deadline sends no update for SecAgg+ to mask"
+    if cfg.client_speed != "constant" or cfg.speed_jitter > 0:
+        return "client_speed and speed_jitter simulate each client's time from its steps, which a secure sum hides"
     return None
 
 
@@ -154,10 +156,11 @@ def is_secure_request(content: RecordDict) -> bool:
     return "fitins.config" in content.config_records and REQUEST in content.config_records["fitins.config"]
 
 
-def unwrap_request(content: RecordDict) -> tuple[RecordDict, int]:
-    """The plain train request inside a secure ``FitIns``, and the rounding seed."""
+def unwrap_request(content: RecordDict) -> tuple[RecordDict, int, SumSpec]:
+    """The plain train request inside a secure ``FitIns``, the rounding seed and the
+    run's public parameters of the secure sums."""
     config = content.config_records["fitins.config"]
-    return unpack(bytes(config[REQUEST])), int(config[ROUNDING_SEED])
+    return unpack(bytes(config[REQUEST])), int(config[ROUNDING_SEED]), SumSpec.from_json(str(config[SPEC]))
 
 
 class UpdateRejected(ClientUpdateError):
@@ -171,71 +174,19 @@ def tree_nodes(record: RecordDict) -> dict[str, Any]:
     return dict(json.loads(str(record["tree"]["json"]))["dict"])
 
 
-def tensor_dtypes(node: dict[str, Any]) -> dict[str, str]:
-    """``{array name: dtype}`` of the tensors under the codec tree's JSON ``node``."""
-    if "tensor" in node:
-        return {node["tensor"]: node["dtype"]}
-    subs = [sub for _, sub in node["dict"]] if "dict" in node else node.get("list", node.get("tuple", []))
-    return {name: dtype for sub in subs for name, dtype in tensor_dtypes(sub).items()}
-
-
-def is_masked(name: str, dtype: str) -> bool:
-    """Whether payload tensor ``name`` of the tree's ``dtype`` goes to SecAgg+ (a
-    floating-point dtype: float16, bfloat16, float32, float64, a float8 type) or travels
-    in the clear (an integer or bool dtype). :class:`ContraflError` for any other dtype
-    (complex), which SecAgg+ can carry neither way."""
-    if dtype in _NUMPY_FLOATS or dtype == "bfloat16" or dtype.startswith("float8_"):
-        return True
-    if dtype in _CLEAR:
-        return False
-    raise ContraflError(
-        f"payload tensor {name!r} has dtype {dtype}, which secure aggregation cannot carry (SecAgg+ masks real "
-        "floating-point tensors and carries integer ones in the clear); deploy without --secure-aggregation"
-    )
-
-
-def as_float32(values: np.ndarray, dtype: str) -> np.ndarray:
-    """A floating-point tensor of the tree's ``dtype`` (the codec's array ``values``) in float32."""
-    if dtype in _NUMPY_FLOATS:
-        return values.astype(np.float32)
-    import torch  # bfloat16 and the float8 types travel as integers of their width
-
-    return torch.from_numpy(values).view(getattr(torch, dtype)).float().numpy()
-
-
-def as_dtype(values: np.ndarray, dtype: str) -> np.ndarray:
-    """``values`` rounded to the tree's floating-point ``dtype``, as the codec carries it
-    (bfloat16 and the float8 types as the integers of their width)."""
-    if dtype in _NUMPY_FLOATS:
-        return np.ascontiguousarray(values.astype(dtype))
-    import torch
-
-    from .codec import _SAME_WIDTH
-
-    cast = torch.from_numpy(np.ascontiguousarray(values)).to(getattr(torch, dtype))
-    return cast.view(_SAME_WIDTH[cast.element_size()]).numpy()
-
-
-def reply_fitres(reply: RecordDict, rounding_seed: int) -> RecordDict:
-    """A client's plain train reply as the ``FitRes`` SecAgg+ masks: every floating-point
-    tensor of the payload (:func:`is_masked`), cast to float32, as parameters (weight:
-    the reply's ``num_samples``); the rest packed in the metrics, with the masked
-    tensors' own dtypes. Raises :class:`UpdateRejected` for a reply the client rejected
+def reply_fitres(reply: RecordDict, rounding_seed: int, spec: SumSpec) -> RecordDict:
+    """A client's plain train reply as the ``FitRes`` SecAgg+ masks: what it puts into the
+    round's secure sums (:func:`~contrafl.flower.secure_sums.client_sums`) as parameters,
+    each of weight 1 (``num_examples`` is the max weight, which SecAgg+ divides by); the
+    rest, in the clear, and the layout of the sums packed in the metrics. Raises
+    :class:`UpdateRejected` for a reply the client rejected
     (:meth:`~contrafl.flower.client.FlowerClient.checked`). Seeds numpy's global
     generator for the mod's stochastic rounding."""
     top = tree_nodes(reply)
     if "rejected" in top:
         raise UpdateRejected(str(top["rejected"]["value"]))
-    arrays = named_arrays(reply)
-    dtypes = tensor_dtypes(top["payload"])
-    secure = [name for name in arrays if name in dtypes and is_masked(name, dtypes[name])]
-    rest = record_of({name: a for name, a in arrays.items() if name not in secure}, str(reply["tree"]["json"]))
-    fitres = FitRes(
-        Status(Code.OK, ""),
-        ndarrays_to_parameters([as_float32(arrays[name], dtypes[name]) for name in secure]),
-        int(top["num_samples"]["value"]),
-        {REST: pack(rest), SECURE: json.dumps([[name, dtypes[name]] for name in secure])},
-    )
+    masked, rest, layout = client_sums(reply, spec)
+    fitres = FitRes(Status(Code.OK, ""), ndarrays_to_parameters(masked), spec.max_weight, {REST: pack(rest), SECURE: layout})
     np.random.seed(rounding_seed % 2**32)
     return compat.fitres_to_recorddict(fitres, keep_input=True)
 
@@ -287,7 +238,7 @@ def collect_refusal(msg: Message, context: Any) -> None:
     whose key shares it received, and itself). Keeps the round and its participants
     (``{node id: client id}``, from the server's ``FitIns``) in the context's state for
     the unmask stage."""
-    request, _ = unwrap_request(msg.content)
+    request, _, _ = unwrap_request(msg.content)
     t = int(tree_nodes(request)["round"]["value"]) + 1
     clients = len(msg.content.config_records[RECORD_KEY_CONFIGS][Key.SOURCE_LIST]) + 1
     if clients < MIN_CLIENTS:
@@ -349,24 +300,14 @@ def check_ledger(path: Path, t: int, clients: list[int]) -> None:
 
 
 # -- server ----------------------------------------------------------------------------------
-def request_fitins(request: RecordDict, rounding_seed: int, participants: dict[int, int]) -> FitIns:
-    """The ``FitIns`` carrying a client's train request, with the seed of its rounding and
-    the round's ``participants`` (``{node id: client id}``; see the module docstring)."""
+def request_fitins(request: RecordDict, rounding_seed: int, participants: dict[int, int], spec: SumSpec) -> FitIns:
+    """The ``FitIns`` carrying a client's train request, with the seed of its rounding, the
+    round's ``participants`` (``{node id: client id}``; see the module docstring) and
+    the public parameters of the run's secure sums."""
     return FitIns(Parameters([], ""), {
         REQUEST: pack(request), ROUNDING_SEED: rounding_seed, PARTICIPANTS: json.dumps({str(n): c for n, c in participants.items()}),
+        SPEC: spec.to_json(),
     })
-
-
-def outcome_tree(fitres: FitRes) -> RecordDict:
-    """A client's reply rebuilt from its ``FitRes`` after unmasking: its own structure and
-    clear entries, with the mean in place of its floating-point tensors, each rounded to
-    its own dtype (:func:`as_dtype`)."""
-    rest = unpack(bytes(fitres.metrics[REST]))
-    names = json.loads(str(fitres.metrics[SECURE]))
-    mean = parameters_to_ndarrays(fitres.parameters)
-    arrays = named_arrays(rest)
-    arrays.update({name: as_dtype(m, dtype) for (name, dtype), m in zip(names, mean, strict=True)})
-    return record_of(arrays, str(rest["tree"]["json"]))
 
 
 class SecureRound:
@@ -375,12 +316,29 @@ class SecureRound:
     when the protocol could not finish: fewer than its threshold of clients answered),
     and the error replies ``{cid: Message}`` of the clients that sent one."""
 
-    def __init__(self, grid: Any, context: Any, timeout: float, max_weight: float) -> None:
-        self.grid, self.context, self.timeout, self.max_weight = grid, context, timeout, max_weight
+    def __init__(self, grid: Any, context: Any, timeout: float, spec: SumSpec) -> None:
+        self.grid, self.context, self.timeout, self.spec = grid, context, timeout, spec
 
-    def run(self, t: int, node_of: dict[int, int], fitins: dict[int, FitIns]) -> tuple[dict[int, RecordDict], dict[int, Message]]:
+    def run(
+        self, t: int, node_of: dict[int, int], fitins: dict[int, FitIns], expected: Callable[[list[int]], int | None] = lambda cids: None,
+    ) -> tuple[dict[int, RecordDict], dict[int, Message]]:
+        """The replies rebuilt from the round's secure sums
+        (:func:`~contrafl.flower.secure_sums.rebuild`; ``expected``: the total weight of
+        the clients whose vectors are in the sum, where the server knows it), and the
+        error replies. :class:`~contrafl.flower.secure_sums.SumRejected` when the sums
+        fail the server's checks, naming the ``clients`` of the sum and carrying the
+        round's ``errors``."""
         results, errors = self.exchange(t, node_of, fitins)
-        return {cid: outcome_tree(fitres) for cid, fitres in results.items()}, errors
+        if not results:
+            return {}, errors
+        mean = parameters_to_ndarrays(next(iter(results.values())).parameters)  # the workflow gives every FitRes the mean
+        rests = {cid: unpack(bytes(f.metrics[REST])) for cid, f in results.items()}
+        layouts = {cid: str(f.metrics[SECURE]) for cid, f in results.items()}
+        try:
+            return rebuild(mean, rests, layouts, self.spec, expected(sorted(results))), errors
+        except SumRejected as exc:
+            exc.clients, exc.errors = sorted(results), errors
+            raise
 
     def exchange(self, t: int, node_of: dict[int, int], fitins: dict[int, FitIns]) -> tuple[dict[int, FitRes], dict[int, Message]]:
         """The protocol itself: each client's ``FitRes`` with the unmasked weighted mean
@@ -403,7 +361,7 @@ class SecureRound:
         legacy.state.config_records[MAIN_CONFIGS_RECORD] = ConfigRecord({Key.CURRENT_ROUND: t + 1})
         legacy.state.array_records[MAIN_PARAMS_RECORD] = ArrayRecord()
         workflow = _drop_tolerant_workflow()(  # every client shares its keys with all; 2/3 of the shares rebuild them
-            num_shares=1.0, reconstruction_threshold=RECONSTRUCTION, max_weight=self.max_weight,
+            num_shares=1.0, reconstruction_threshold=RECONSTRUCTION, max_weight=float(self.spec.max_weight),
             clipping_range=CLIPPING_RANGE, quantization_range=QUANTIZATION_RANGE, timeout=self.timeout,
         )
         state = random.getstate()

@@ -28,6 +28,7 @@ from flwr.serverapp import Grid
 
 from .node import USER_ERROR
 from .secagg import MIN_CLIENTS, REJECTED, SecureRound, request_fitins, round_refusal
+from .secure_sums import SumRejected, SumSpec
 
 POLL_S = 0.2
 STALE_S = 10.0
@@ -340,20 +341,28 @@ class SecureTransport(GridTransport):
     Args (beyond :class:`GridTransport`'s):
         context: the ServerApp's context (the workflow runs in a legacy context over it).
         seed: the run's seed, for each client's stochastic rounding.
-        max_weight: the largest sample count of a client (SecAgg+ quantises the weights
-            by it).
+        spec: the public parameters of the secure sums (:func:`sum_spec`).
+        weights: each client's weight (``num_samples``) where the server knows it (it
+            holds the data, or ``dp=local`` weighs every reply 1): a round's summed
+            weight must then be that of its clients. None where the sites keep their
+            data.
+
+    A round whose sums fail the server's checks
+    (:class:`~contrafl.flower.secure_sums.SumRejected`) has every client of the sum
+    rejected, with the reason (the run stops, or leaves them out and follows
+    ``min_replies``).
 
     Raises :class:`ConfigError` when ``num_clients`` or ``min_replies`` allow a round of
     fewer clients (:func:`~contrafl.flower.secagg.round_refusal`).
     """
 
-    def __init__(self, grid: Grid, context: Any, seed: int, max_weight: int, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, grid: Grid, context: Any, seed: int, spec: SumSpec, weights: list[int] | None, *args: Any, **kwargs: Any) -> None:
         super().__init__(grid, *args, **kwargs)
         why = round_refusal(self.num_clients, self.min_replies)
         if why is not None:
             raise ConfigError(f"secure-aggregation=true: {why}")
-        self.seed = seed
-        self.secure = SecureRound(PolledGrid(grid), context, self.round_timeout, float(max(1, max_weight)))
+        self.seed, self.spec, self.weights = seed, spec, weights
+        self.secure = SecureRound(PolledGrid(grid), context, self.round_timeout, spec)
 
     def train(
         self, t: int, cids: list[int], message_for: Callable[[int], dict[str, Any]], phases: list[Phase]
@@ -376,11 +385,18 @@ class SecureTransport(GridTransport):
         extra = {"checkpointed": self.checkpointed(), "secure": True}
         participants = {node: cid for cid, node in node_of.items()}
         fitins = {
-            cid: request_fitins(self.request(t, cid, message_for, extra), derive_seed(self.seed, "secagg", t, cid), participants)
+            cid: request_fitins(self.request(t, cid, message_for, extra), derive_seed(self.seed, "secagg", t, cid), participants, self.spec)
             for cid in sorted(node_of)
         }
-        replies, errors = self.secure.run(t, node_of, fitins)
-        rejected = {cid: str(reply.error.reason) for cid, reply in errors.items() if reply.error.code == REJECTED}
+        weights = self.weights
+        try:
+            replies, errors = self.secure.run(t, node_of, fitins, (lambda cids: sum(weights[c] for c in cids)) if weights else lambda cids: None)
+        except SumRejected as exc:
+            replies, errors = {}, exc.errors
+            rejected_sum = {cid: f"round {t + 1}'s secure sum over clients {exc.clients} was rejected: {exc}" for cid in exc.clients}
+        else:
+            rejected_sum = {}
+        rejected = {cid: str(reply.error.reason) for cid, reply in errors.items() if reply.error.code == REJECTED} | rejected_sum
         for cid in sorted(rejected):
             yield ClientOutcome(cid, None, rejected=rejected[cid])
         for cid in sorted(set(node_of) - set(replies) - set(rejected)):
@@ -415,3 +431,24 @@ def reason_of(reply: Message) -> str:
     message (:data:`USER_ERROR`), else Flower's error code and reason."""
     error = reply.error
     return str(error.reason) if error.code == USER_ERROR else f"error {error.code}: {error.reason}"
+
+
+def sum_spec(setup: Any, max_weight: int | None) -> tuple[SumSpec, list[int] | None]:
+    """The public parameters of a run's secure sums, and each client's weight where the
+    server knows it: under ``dp=local`` every reply weighs 1 (``max_weight`` 1, weights
+    1; a label count is 1 with ``dp.labels=hide``, else at most the bound below); where
+    the server holds the data, the clients' sample counts (``max_weight``: the largest);
+    where the sites keep theirs (``node_data=own``), ``max_weight`` as given (``contrafl
+    deploy --max-weight``) and no weights. Label tables are weighted as the
+    algorithm weighs them (:meth:`~contrafl.algorithms.base.Algorithm.label_weighting`)."""
+    cfg, algorithm = setup.config, setup.algorithm
+    labels = type(algorithm).label_weighting(algorithm.params)
+    own = cfg.node_data == "own"
+    if own and not max_weight and not (cfg.dp.name == "local" and cfg.dp.options.get("labels", "hide") == "hide"):
+        raise ConfigError("secure aggregation with node_data=own needs the run config's max-weight (contrafl deploy --max-weight N)")
+    sizes = None if own else [len(rows) for rows in setup.partition.train]
+    largest = int(max_weight) if own else max(1, max(sizes))
+    if cfg.dp.name == "local":  # every reply weighs 1; label counts are 1 (dp.labels=hide) or the true ones
+        hide = cfg.dp.options.get("labels", "hide") == "hide"
+        return SumSpec(1, labels, counts_are_samples=False, max_count=1 if hide else largest), [1] * cfg.num_clients
+    return SumSpec(largest, labels), sizes

@@ -36,7 +36,7 @@ from ..errors import ContraflError
 from ..words import count
 from .node import REPRODUCIBLE_WARNING, reproducible_noise
 from .secagg import refusal
-from .server import GridTransport, SecureTransport
+from .server import GridTransport, SecureTransport, sum_spec
 
 app = ServerApp()
 
@@ -100,10 +100,8 @@ def run(grid: Grid, context: Context) -> None:
         print(f"contrafl: warning: {REPRODUCIBLE_WARNING}", flush=True)
     secure = bool(rc.get("secure-aggregation", False))
     why = refusal(type(setup.algorithm), setup.algorithm.params, setup.config) if secure else None
-    if secure and setup.config.node_data == "own":
-        why = "the weights are quantised by the largest client's sample count, which the server of node_data=own does not know"
     if why is not None:  # a run config written by hand: contrafl deploy refuses it before
-        raise ContraflError(f"secure aggregation shows the server only the mean of the updates, but {why}; run without secure-aggregation")
+        raise ContraflError(f"secure aggregation shows the server only sums over the clients, but {why}; run without secure-aggregation")
     if run_dir.taken_over:
         print(f"contrafl: {run_dir.taken_over}", flush=True)
     progress = Progress(setup.config.rounds)
@@ -111,8 +109,8 @@ def run(grid: Grid, context: Context) -> None:
     settings = (setup.config.num_clients, float(rc["round-timeout"]), int(rc["min-replies"]), float(rc["wait-nodes"]))
     hooks = {"checkpointed": lambda: sim.checkpointed, "waited": progress.waited, "secret": setup.config.sampling == "secret"}
     if secure:
-        largest = max(len(rows) for rows in setup.partition.train)
-        sim.transport = SecureTransport(grid, context, setup.config.seed, largest, *settings, **hooks)
+        spec, weights = sum_spec(setup, int(rc.get("max-weight", 0)) or None)
+        sim.transport = SecureTransport(grid, context, setup.config.seed, spec, weights, *settings, **hooks)
     else:
         sim.transport = GridTransport(grid, *settings, **hooks)
     summary = sim.run()
