@@ -28,9 +28,9 @@ from contrafl.flower.secagg import REST, SECURE  # noqa: E402
 from contrafl.flower.wire import unpack  # noqa: E402
 from test_flower_node_data import FEDERATION, image_tree  # noqa: E402
 
-CURIOUS_APP = Path(__file__).parent / "flower_curious_app"
+CURIOUS_APP = Path(__file__).parent / "flower_curious_app"  # tests/test_flower_deploy.py's curious server, recording every message
 SITES = {"site-a": ["cat", "dog"], "site-b": ["dog", "owl"], "site-c": ["cat", "dog", "owl"]}
-SETTINGS = ["num_clients=3", "rounds=2", "local_epochs=1", "batch_size=8", "model=mlp", "model.hidden=[32]",
+SETTINGS = ["num_clients=3", "rounds=2", "local_epochs=2", "batch_size=8", "model=mlp", "model.hidden=[32]",
             "model.projection_dim=8", "executor=sequential", "eval_personal=false"]
 MAX_WEIGHT = 40
 

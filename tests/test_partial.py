@@ -49,3 +49,18 @@ def test_replies_that_differ_in_structure_or_have_nothing_to_average_are_not_sum
     wide = Reply(1, 1, {**b.payload, "model": {**b.payload["model"], "w": torch.zeros(2, 3)}})
     assert summed([a, wide]) is None  # another shape
     assert summed([Reply(0, 1, {"counts": torch.tensor([1, 2])})]) is None  # integers only
+
+
+def test_a_label_table_stays_each_clients_own():
+    """FedCRL's and FedProto's per-label tables are weighted by their counts, not by the
+    reply's sample count: a share keeps each reply's table and sums only the rest."""
+    replies = [
+        Reply(c, n, {"body": {"w": torch.full((2,), float(c))},
+                     "prototypes": {"reps": torch.full((3, 2), float(c)), "counts": torch.tensor([c, 0, 2])}})
+        for c, n in enumerate([4, 1, 3])
+    ]
+    bare, mean = summed(replies)
+    assert len(mean) == 1 and all(r.payload["body"]["w"] == IN_MEAN for r in bare)
+    for r, original in zip(bare, replies):
+        assert r.payload["prototypes"] is original.payload["prototypes"]
+    torch.testing.assert_close(mean[0], torch.full((2,), (0 * 4 + 1 * 1 + 2 * 3) / 8))

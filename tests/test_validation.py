@@ -274,3 +274,37 @@ def test_summary_records_failure_of_an_unexpected_error(tmp_path, capsys, monkey
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "failed" and summary["error"] == "MemoryError: CUDA out of memory (simulated)"
     assert summary["rounds_completed"] == 1
+
+
+def test_forged_label_counts_are_refused_and_honest_ones_pass():
+    """Issue #53, N2: FedCRL weighs each client's label row by its count, so a count of
+    1e12 made the global row the forger's. A table that counts more samples than the
+    client trained on (its samples times the local epochs), or a negative count, is
+    refused with the reason; under dp=local with dp.labels=clear the bound is the
+    largest client's."""
+    from contrafl.engine.validate import count_problem
+
+    for extra in ([], ["dp=local", "dp.labels=clear", "dp.clip=5", "dp.noise_multiplier=0.01"]):
+        sim = Simulation(prepare(load_config(None, [*FAST, "algorithm=fedcrl", "rounds=1", "executor=sequential", "local_epochs=2", *extra])))
+        message = sim.algorithm.broadcast(sim.server, 0)
+        honest = [o.reply for o in sim.train_locally(0, [0, 1], lambda c: sim.algorithm.message_for(message, sim.server, c, 0), sim.algorithm.phases(0))]
+        checks = {r.cid: (sim.begin_reply_check(r.cid, r, message, {}), r) for r in honest}
+        assert sim.reply_problems(checks, lambda c: message) == {}
+        forged = honest[0].payload["prototypes"]["counts"].clone()
+        forged[0] = 10**12
+        bad = Reply(0, honest[0].num_samples, {**honest[0].payload, "prototypes": {**honest[0].payload["prototypes"], "counts": forged}})
+        why = sim.reply_problems({0: (sim.begin_reply_check(0, bad, message, {}), bad)}, lambda c: message)[0]
+        assert why.startswith("a per-label table counts 1000000000") and "more than the" in why, why
+    assert count_problem({"p": {"reps": torch.zeros(2, 1), "counts": torch.tensor([-1, 3])}}, 10) == "a per-label table has a negative count"
+
+
+def test_a_client_that_lies_about_its_sample_count_is_refused_where_the_server_holds_the_data():
+    """A tripled weight (issue #53): where the server holds the data it knows each
+    client's count, and a reply claiming another is refused with the reason."""
+    sim = Simulation(prepare(load_config(None, [*FAST, "rounds=1", "executor=sequential"])))
+    message = sim.algorithm.broadcast(sim.server, 0)
+    (honest,) = [o.reply for o in sim.train_locally(0, [1], lambda c: message, sim.algorithm.phases(0))]
+    assert sim.reply_problems({1: (sim.begin_reply_check(1, honest, message, {}), honest)}, lambda c: message) == {}
+    heavy = Reply(1, 3 * honest.num_samples, honest.payload)
+    why = sim.reply_problems({1: (sim.begin_reply_check(1, heavy, message, {}), heavy)}, lambda c: message)[1]
+    assert why == f"num_samples={3 * honest.num_samples}, but the client holds {honest.num_samples} training samples (a client that lies about its weight)"

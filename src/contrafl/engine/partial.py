@@ -13,7 +13,9 @@ floating-point tensor of the payload, once::
 and each reply without those tensors. The server rebuilds every reply with ``mean_S`` in
 their place (:func:`restore`), as SecAgg+ hands it the mean: the sample-weighted mean over
 all replies is then unchanged, ``sum_k (n_k / n) mean_S(k) = sum_S (n_S / n) mean_S``, up
-to float rounding. Integer and bool tensors stay each client's own.
+to float rounding. Integer and bool tensors stay each client's own, and so does a
+per-label table (FedCRL's, FedProto's ``reps`` and ``counts``), which the algorithm
+weighs by its counts, not by ``n_k``.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from torch.utils import _pytree as pytree
 
 from ..algorithms.aggregation import sample_weights, weighted_sum
 from ..algorithms.base import Reply
+from .validate import is_label_table
 
 IN_MEAN = "<in the share's mean>"
 """What stands in a summed reply for each floating-point tensor of its payload."""
@@ -46,7 +49,7 @@ def summed(replies: Sequence[Reply]) -> tuple[list[Reply], list[torch.Tensor]] |
     are no replies): no mean to take."""
     if not replies:
         return None
-    flat = [pytree.tree_flatten(r.payload) for r in replies]
+    flat = [pytree.tree_flatten(r.payload, is_leaf=is_label_table) for r in replies]  # a label table stays the client's own
     # the tree structure and, per leaf, a floating-point tensor's shape and dtype: replies share a mean only where these agree
     layouts = [(spec, [(leaf.shape, leaf.dtype) if _is_float(leaf) else None for leaf in leaves]) for leaves, spec in flat]
     if not any(layouts[0][1]) or any(layout != layouts[0] for layout in layouts[1:]):

@@ -64,7 +64,7 @@ from .sampling import sample_schedule, secret_sample
 from .setup import Setup, choose_executor
 from .signals import interrupts, signal_name, stop_point
 from .tracking import Tracking, open_tracking
-from .validate import PendingCheck, begin_check, finish_checks, norm_outliers
+from .validate import PendingCheck, begin_check, count_problem, finish_checks, norm_outliers
 from .vectorized import StepArenas, VectorizedExecutor
 
 
@@ -162,6 +162,12 @@ class Transport(Protocol):
     runtime: str
     """What runs the clients, named as the run's ``executor`` in ``summary.json``
     (``flower``); a transport without it keeps the configured executor's name."""
+
+    sums: bool
+    """Optional, False where missing: the replies are rebuilt from sums over the round's
+    clients (secure aggregation): each carries the round's means and a share of its
+    totals, its per-label counts the round's totals, which were checked where they were
+    summed (:func:`~contrafl.engine.validate.count_problem` does not apply)."""
 
     def train(
         self, t: int, cids: list[int], message_for: Callable[[int], dict[str, Any]], phases: list[Phase]
@@ -741,12 +747,24 @@ class Simulation:
     ) -> dict[int, str]:
         """``{cid: why}`` for the replies whose begun checks fail
         (:func:`~contrafl.engine.validate.finish_checks`: their values tested together),
-        or, with ``dp=local``, :meth:`Privacy.check_local` against ``message_of(cid)``."""
+        or, with ``dp=local``, :meth:`Privacy.check_local` against ``message_of(cid)``;
+        otherwise a reply's ``num_samples`` must be the client's where the server holds
+        the data, and its label counts possible
+        (:func:`~contrafl.engine.validate.count_problem`)."""
         reasons = finish_checks([check for check, _ in checks.values()])
         problems = {}
+        epochs = int(self.cfg.local_epochs)
         for (cid, (_, reply)), reason in zip(checks.items(), reasons):
             if reason is None and self.privacy is not None and self.privacy.mode == "local":
                 reason = self.privacy.check_local(reply, message_of(cid))
+                if reason is None and self.cfg.node_data != "own":  # true counts with weight 1 (dp.labels=clear): at most the largest client's
+                    reason = count_problem(reply.payload, max(map(len, self.rows), default=0) * epochs)
+            elif reason is None and not getattr(self.transport, "sums", False):
+                held = len(self.rows[cid]) if self.cfg.node_data != "own" else None  # the server holds the data: it knows the count
+                if held is not None and reply.num_samples != held:
+                    reason = f"num_samples={reply.num_samples}, but the client holds {held} training samples (a client that lies about its weight)"
+                else:
+                    reason = count_problem(reply.payload, reply.num_samples * epochs)
             if reason is not None:
                 problems[cid] = reason
         return problems

@@ -121,6 +121,23 @@ def is_label_table(value: Any) -> bool:
     return any(isinstance(m, torch.Tensor) and m.dim() == 1 and not m.is_floating_point() for m in marks)
 
 
+def count_problem(payload: Any, total: int) -> str | None:
+    """Why the label counts of ``payload``'s per-label tables cannot be a client's: a
+    negative count, or more than ``total`` in a table (the samples the client trained
+    on, every epoch's: FedCRL and FedProto count each epoch's samples). A client that
+    forged its counts would otherwise weigh its rows as it likes (one count of 1e12
+    makes the global row of that label its own)."""
+    for table in label_tables(payload):
+        counts = table.get("counts")
+        if not isinstance(counts, torch.Tensor):
+            continue
+        if bool((counts < 0).any()):
+            return "a per-label table has a negative count"
+        if int(counts.sum()) > total:
+            return f"a per-label table counts {int(counts.sum())} samples, more than the {total} the client trained on (its samples times the local epochs)"
+    return None
+
+
 def label_tables(payload: Any) -> list[Mapping[str, Any]]:
     """The per-label tables of ``payload`` (:func:`is_label_table`)."""
     if is_label_table(payload):

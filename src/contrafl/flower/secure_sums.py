@@ -35,8 +35,8 @@ around and show); every mean inside the clipping range (a weighted mean of clipp
 values is); the total weight positive and at most ``m W`` for ``m`` clients, or exactly
 the round's known total where the server knows the clients' sample counts (shared
 data); each label's total at most ``m W_omega``, and with ``counts`` weighting and
-true counts (no ``dp=local``) the labels' totals summing to at most the total weight (a
-client counts the samples its table averaged, at most its own). Within those bounds a client
+true counts (no ``dp=local``) the labels' totals summing to at most the total weight
+times the local epochs (a client counts the samples its table averaged, each epoch's). Within those bounds a client
 moves a mean by at most ``2 CLIPPING_RANGE W / sum w`` per value.
 """
 
@@ -95,28 +95,32 @@ class SumSpec:
         counts_are_samples: a table's counts sum to the client's ``num_samples`` (true
             counts: no ``dp=local``, which marks every label once or sends counts with
             one sample's weight).
-        max_count: the largest count of a label a client may send (``W`` unless
-            ``dp=local`` sends true counts with weight 1: then the largest client's
-            sample count).
+        epochs: the run's local epochs: a table counts the samples its rows averaged,
+            every epoch's (FedCRL's and FedProto's counts are ``epochs`` times the
+            label's samples, less a last partial batch).
+        max_count: the largest count of a label a client may send (``W epochs``
+            unless ``dp=local`` sends true counts with weight 1: then the largest
+            client's sample count times the epochs).
     """
 
     max_weight: int
     labels: str = "counts"
     counts_are_samples: bool = True
+    epochs: int = 1
     max_count: int = 0
 
     @property
     def count_bound(self) -> int:
-        return self.max_count or self.max_weight
+        return self.max_count or self.max_weight * self.epochs
 
     def to_json(self) -> str:
         return json.dumps({"max_weight": self.max_weight, "labels": self.labels, "counts_are_samples": self.counts_are_samples,
-                           "max_count": self.count_bound})
+                           "epochs": self.epochs, "max_count": self.count_bound})
 
     @classmethod
     def from_json(cls, text: str) -> SumSpec:
         spec = json.loads(text)
-        return cls(int(spec["max_weight"]), str(spec["labels"]), bool(spec["counts_are_samples"]), int(spec["max_count"]))
+        return cls(int(spec["max_weight"]), str(spec["labels"]), bool(spec["counts_are_samples"]), int(spec["epochs"]), int(spec["max_count"]))
 
 
 # -- client --------------------------------------------------------------------------------
@@ -285,8 +289,11 @@ def rebuild(
             scale = spec.count_bound if spec.labels == "counts" else 1
             if (omega > m * scale).any():
                 raise SumRejected(f"its summed label counts exceed {m * scale}, {m} clients' public bound of {scale} each")
-            if spec.labels == "counts" and spec.counts_are_samples and omega.sum() > weight:
-                raise SumRejected(f"its summed label counts ({int(omega.sum())}) exceed its summed weight ({weight}): more labelled samples than samples")
+            if spec.labels == "counts" and spec.counts_are_samples and omega.sum() > weight * spec.epochs:
+                raise SumRejected(
+                    f"its summed label counts ({int(omega.sum())}) exceed its summed weight times the local epochs "
+                    f"({weight} x {spec.epochs}): more labelled samples than the clients trained on"
+                )
             value = np.where(omega[:, None] > 0, s * scale / np.maximum(omega, 1)[:, None], 0.0)
             limit = CLIPPING_RANGE + m * STEP * scale / np.maximum(omega, 1)[:, None] + 1e-6
         else:

@@ -356,6 +356,8 @@ class SecureTransport(GridTransport):
     fewer clients (:func:`~contrafl.flower.secagg.round_refusal`).
     """
 
+    sums = True  # replies rebuilt from the round's secure sums
+
     def __init__(self, grid: Grid, context: Any, seed: int, spec: SumSpec, weights: list[int] | None, *args: Any, **kwargs: Any) -> None:
         super().__init__(grid, *args, **kwargs)
         why = round_refusal(self.num_clients, self.min_replies)
@@ -448,7 +450,8 @@ def sum_spec(setup: Any, max_weight: int | None) -> tuple[SumSpec, list[int] | N
         raise ConfigError("secure aggregation with node_data=own needs the run config's max-weight (contrafl deploy --max-weight N)")
     sizes = None if own else [len(rows) for rows in setup.partition.train]
     largest = int(max_weight) if own else max(1, max(sizes))
+    epochs = int(cfg.local_epochs)
     if cfg.dp.name == "local":  # every reply weighs 1; label counts are 1 (dp.labels=hide) or the true ones
         hide = cfg.dp.options.get("labels", "hide") == "hide"
-        return SumSpec(1, labels, counts_are_samples=False, max_count=1 if hide else largest), [1] * cfg.num_clients
-    return SumSpec(largest, labels), sizes
+        return SumSpec(1, labels, counts_are_samples=False, epochs=epochs, max_count=1 if hide else largest * epochs), [1] * cfg.num_clients
+    return SumSpec(largest, labels, epochs=epochs), sizes

@@ -1,17 +1,22 @@
-"""contrafl's ServerApp, curious: every message it receives goes to the folder of the run
-config's ``record`` (one file per message, its content packed by
-:func:`contrafl.flower.wire.pack`, or its error's reason) before contrafl's server reads
-it."""
+"""contrafl's ServerApp as an honest-but-curious server: it follows the protocol and
+writes every train reply it receives, as decoded, to
+``<run-dir>/received/round-<T>-client-<K>.pt`` for an attacker to study; with the run
+config ``record`` set to a folder, it also writes there every message it receives, as
+it arrives (one file per message: its content packed by
+:func:`contrafl.flower.wire.pack`, or its error's reason), secure aggregation's
+included."""
+
+from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
+import torch
 from flwr.serverapp import ServerApp
 
-from contrafl.flower import server_app as contrafl_server
+from contrafl.flower import server_app
+from contrafl.flower.server import GridTransport
 from contrafl.flower.wire import pack
-
-app = ServerApp()
 
 
 class Recording:
@@ -40,6 +45,22 @@ class Recording:
         return self.record(self.grid.send_and_receive(messages, timeout=timeout))
 
 
-@app.main()
-def main(grid: Any, context: Any) -> None:
-    contrafl_server.main(Recording(grid, Path(str(context.run_config["record"]))), context)
+def main(grid, context) -> None:
+    folder = Path(str(context.run_config["run-dir"])) / "received"
+
+    class KeepingTransport(GridTransport):
+        def train(self, t, cids, message_for, phases):
+            folder.mkdir(exist_ok=True)
+            for outcome in super().train(t, cids, message_for, phases):
+                if outcome.reply is not None:
+                    kept = {"payload": outcome.reply.payload, "num_samples": outcome.reply.num_samples}
+                    torch.save(kept, folder / f"round-{t + 1}-client-{outcome.cid}.pt")
+                yield outcome
+
+    server_app.GridTransport = KeepingTransport
+    record = str(context.run_config.get("record", ""))
+    server_app.main(Recording(grid, Path(record)) if record else grid, context)
+
+
+app = ServerApp()
+app.main()(main)
