@@ -27,6 +27,7 @@ from .base import (
 )
 from .prototypes import (
     MISSING_LABEL,
+    LabelMeans,
     MISSING_LABEL_DOC,
     aggregate_prototypes,
     contrastive_loss,
@@ -75,7 +76,7 @@ def adaptive_alpha(loss: float, s: float, rule: str = "exp") -> float:
 
 
 @ALGORITHMS.register("fedcrl")
-class FedCRL(Algorithm):
+class FedCRL(LabelMeans, Algorithm):
     """FedCRL (Huang, Chen, Zhang, Wang, arXiv 2404.17916), a.k.a. FedCoSR.
 
     The model is split into representation layers ``phi`` (the body) and a projection
@@ -120,14 +121,6 @@ class FedCRL(Algorithm):
     @classmethod
     def individual_updates(cls, params: Any) -> str | None:
         return "FedCRL's server averages each label's representation over the clients that hold the label (their counts weigh it)"
-
-    @classmethod
-    def beyond_weighted_mean(cls, params: Any) -> str | None:
-        return None  # each label's mean of the rows weighted by label_weighting: what secure aggregation sums
-
-    @classmethod
-    def label_weighting(cls, params: Any) -> str:
-        return params.weighting
 
     def aggregate(self, server: ServerState, replies: list[Reply], round: int) -> ServerState:
         body = weighted_average([r.payload["body"] for r in replies], sample_weights(replies))

@@ -24,6 +24,7 @@ from .base import (
 )
 from .prototypes import (
     MISSING_LABEL,
+    LabelMeans,
     MISSING_LABEL_DOC,
     aggregate_prototypes,
     label_sums,
@@ -47,7 +48,7 @@ class FedProtoParams:
 
 
 @ALGORITHMS.register("fedproto")
-class FedProto(Algorithm):
+class FedProto(LabelMeans, Algorithm):
     """FedProto (Tan, Long, Liu, Zhou, Lu, Jiang, Zhang, AAAI 2022), as in PFLlib.
 
     No model parameters are exchanged: every client trains its own model (from its own
@@ -83,14 +84,6 @@ class FedProto(Algorithm):
     @classmethod
     def individual_updates(cls, params: Any) -> str | None:
         return "FedProto's server averages each label's prototype over the clients that hold the label"
-
-    @classmethod
-    def beyond_weighted_mean(cls, params: Any) -> str | None:
-        return None  # each label's mean of the rows weighted by label_weighting: what secure aggregation sums
-
-    @classmethod
-    def label_weighting(cls, params: Any) -> str:
-        return params.weighting
 
     def aggregate(self, server: ServerState, replies: list[Reply], round: int) -> ServerState:
         previous = previous_for(server.extras, self.params.missing_label)

@@ -83,6 +83,21 @@ def aggregate_prototypes(
     return {"reps": out, "mask": mask}
 
 
+class LabelMeans:
+    """For an algorithm whose server averages each label's rows with
+    :func:`aggregate_prototypes` (weighted as its ``params.weighting`` says) and
+    everything else by sample count: those means are what secure aggregation's weighted
+    sums give (:meth:`~contrafl.algorithms.base.Algorithm.beyond_weighted_mean`)."""
+
+    @classmethod
+    def beyond_weighted_mean(cls, params: Any) -> str | None:
+        return None
+
+    @classmethod
+    def label_weighting(cls, params: Any) -> str:
+        return params.weighting
+
+
 MISSING_LABEL = P.OneOf(("drop", "keep"))
 MISSING_LABEL_DOC = (
     "a label no client of the round holds: no global prototype that round (PFLlib rebuilds them "
