@@ -579,3 +579,69 @@ def test_a_client_that_skips_its_checks_or_lies_about_its_weight_gets_the_round_
         with pytest.raises(SumRejected) as info:
             rebuilt(results, case_spec, expected=expected)
         assert case in str(info.value) and "\n" not in str(info.value), (case, str(info.value))
+
+
+def test_a_replayed_masked_vector_gets_the_round_rejected(tmp_path):
+    """A client that sends, in round 2, the masked vector it sent in round 1 (a replay:
+    it skips its training) enters a sum whose masks no longer cancel, since every
+    protocol run has new keys: the unmasked sums are garbage, which the server's checks
+    find, and the round is rejected with one line rather than aggregated."""
+    gen = torch.Generator().manual_seed(7)
+    trees = [table_tree(cid, gen) for cid in range(3)]
+    spec = SumSpec(40)
+    kept: dict[str, Message] = {}
+
+    class Replaying(LocalGrid):
+        def send_and_receive(self, messages, *, timeout=None):
+            replies = super().send_and_receive(messages, timeout=timeout)
+            out = []
+            for reply in replies:
+                stage = next((m for m in messages if m.metadata.dst_node_id == reply.metadata.src_node_id), None)
+                collect = stage is not None and stage.content.config_records[RECORD_KEY_CONFIGS][Key.STAGE] == Stage.COLLECT_MASKED_VECTORS
+                if collect and reply.metadata.src_node_id == 2:
+                    if "old" in kept:  # the round-1 vector again, as the reply to this round's message
+                        reply = Message(kept["old"].content, reply_to=stage)
+                        reply.metadata.__dict__["_src_node_id"] = 2
+                    else:
+                        kept["old"] = reply
+                out.append(reply)
+            return out
+
+    def app_of(cid: int, tree: dict) -> ClientApp:
+        return lambda msg: Message(reply_fitres(encode(tree), cid, spec), reply_to=msg)
+
+    context = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={})
+    grid = Replaying([app_of(cid, tree) for cid, tree in enumerate(trees)], {}, tmp_path)
+    participants = {cid + 1: cid for cid in range(3)}
+    total = sum(t["num_samples"] for t in trees)
+    for t in (0, 1):
+        fitins = {cid: request_fitins(encode({"round": t, "client": cid}), cid, participants, spec) for cid in range(3)}
+        secure = SecureRound(grid, context, timeout=5.0, spec=spec)
+        if t == 0:
+            replies, errors = secure.run(t, {cid: cid + 1 for cid in range(3)}, fitins, lambda cids: total)
+            assert sorted(replies) == [0, 1, 2] and not errors
+        else:
+            with pytest.raises(SumRejected) as info:
+                secure.run(t, {cid: cid + 1 for cid in range(3)}, fitins, lambda cids: total)
+            assert "\n" not in str(info.value) and info.value.clients == [0, 1, 2], str(info.value)
+
+
+def test_federated_evaluation_through_secure_sums_gives_the_rounds_means_and_no_clients_scores(tmp_path):
+    """The global model evaluated by each client through SecAgg+ (contrafl's real
+    ClientApp, in this process): the server's test accuracy is exactly the round's
+    (correct predictions over test samples, summed), its loss the round's to the fixed
+    point's 2^-16, and every client's scores are shares of the totals, not its own."""
+    from contrafl.engine.simulation import Simulation
+
+    sim = secure_simulation(tmp_path / "run", lambda run: AppGrid(run, 4), "global_eval=federated", "test_fraction=0.25")
+    plain = dict(Simulation.evaluate_model_locally(sim, 1, [0, 1, 2, 3], sim.server.model))
+    assert all(plain[c]["n"] for c in plain)
+    secure = dict(sim.transport.evaluate_model(1, [0, 1, 2, 3], sim.server.model))
+    total = sum(s["n"] for s in plain.values())
+    assert sum(s["n"] for s in secure.values()) == total
+    assert sum(round(s["acc"] * s["n"]) for s in secure.values()) == sum(round(s["acc"] * s["n"]) for s in plain.values())
+    loss = sum(s["loss"] * s["n"] for s in plain.values()) / total
+    assert sum(s["loss"] * s["n"] for s in secure.values()) / total == pytest.approx(loss, abs=1e-4)
+    assert [s["n"] for s in secure.values()] != [s["n"] for s in plain.values()]  # shares of the total, not the clients' own
+    ledger = json.loads((tmp_path / "run" / "flower-clients" / "client-0" / LEDGER).read_text())
+    assert ledger == {"the evaluation after round 1": [0, 1, 2, 3]}

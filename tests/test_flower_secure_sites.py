@@ -3,7 +3,8 @@ over TLS, each with its own folder of images, training FedAvg and FedCRL through
 with a public ``max-weight``. The run ends as its simulation does (``contrafl run ...
 partition=natural``) up to SecAgg+'s quantisation, and a curious server that records
 every message it receives (``tests/flower_curious_app``) finds no client's sample
-count, label counts, steps or loss in any of them: only sums.
+count, label counts, steps or loss in any of them, nor any client's evaluation (its test
+samples, correct predictions, loss): only sums.
 """
 
 from __future__ import annotations
@@ -68,6 +69,11 @@ def test_sites_that_keep_their_data_train_through_secure_sums_and_the_server_lea
                      "global_eval=federated", *settings]) == 0
     rows = [[json.loads(x) for x in (path / "metrics.jsonl").read_text().splitlines()] for path in (tmp_path / "sim", run)]
     assert [r["local_steps"] for r in rows[0]] == [r["local_steps"] for r in rows[1]]
+    evaluated = algorithm == "fedavg"  # FedCRL's models are personal: no global model to evaluate
+    assert all(("test_acc" in r) == evaluated for r in rows[0] + rows[1])
+    if evaluated:
+        assert all(a["test_acc"] == pytest.approx(b["test_acc"], abs=0.06) for a, b in zip(*rows))  # at most one of ~18 test images apart
+        assert all(a["test_loss"] == pytest.approx(b["test_loss"], abs=1e-4) for a, b in zip(*rows))
     assert all(a["train_loss"] == pytest.approx(b["train_loss"], abs=1e-4) for a, b in zip(*rows))
     models = [torch.load(path / "checkpoint.pt", weights_only=False)["server"] for path in (tmp_path / "sim", run)]
     deviation = max(float((v - models[1]["model"][k]).abs().max()) for k, v in models[0]["model"].items() if v.is_floating_point())
@@ -77,8 +83,14 @@ def test_sites_that_keep_their_data_train_through_secure_sums_and_the_server_lea
         assert torch.equal(sim["mask"], secure["mask"]) and float((sim["reps"] - secure["reps"]).abs().max()) < 2e-4
 
     seen = sorted((tmp_path / "seen").iterdir())
-    collected = [unpack(path.read_bytes()) for path in seen if "train" in path.name and b"contrafl-rest" in path.read_bytes()]
-    assert len(collected) == 3 * 2  # each client's masked reply, each round
+    assert not [path.name for path in seen if "evaluate" in path.name]  # federated evaluation too goes through SecAgg+ only
+    masked = [unpack(path.read_bytes()) for path in seen if "train" in path.name and b"contrafl-rest" in path.read_bytes()]
+    evaluations = [c for c in masked if json.loads(str(c["fitres.metrics"][SECURE])).get("scores")]
+    collected = [c for c in masked if not json.loads(str(c["fitres.metrics"][SECURE])).get("scores")]
+    assert len(collected) == 3 * 2 and len(evaluations) == 3 * 2 * evaluated  # each client's masked reply (and evaluation), each round
+    for content in evaluations:  # its test samples, correct predictions and loss: masked, nothing in the clear
+        rest = unpack(bytes(content["fitres.metrics"][REST]))
+        assert json.loads(str(rest["tree"]["json"])) == {"dict": []} and named_arrays(rest) == {}
     for content in collected:  # what a curious server gets of a client's training besides the masked vector
         assert set(content["fitres.metrics"]) == {REST, SECURE} and dict(content["fitres.num_examples"]) == {"num_examples": MAX_WEIGHT}
         assert not content["fitres.parameters"]  # the parameters travel masked only

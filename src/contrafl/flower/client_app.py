@@ -8,11 +8,11 @@ SuperNode's worker (:mod:`contrafl.flower.worker`), a process that keeps torch, 
 client's data and its model loaded between messages, or, with the node config
 ``worker=false``, answers in this process.
 
-With the run config ``secure-aggregation=true`` a train message comes as a SecAgg+
-``FitIns`` (Flower's ``secaggplus_mod`` handles the protocol's other stages, within
-contrafl's rules: :func:`~contrafl.flower.secagg.secure_mod`), and the reply goes back as
-the ``FitRes`` it masks (:mod:`contrafl.flower.secagg`), or, when the client's own check
-rejected its update, as an error reply of code
+With the run config ``secure-aggregation=true`` a train message (and a federated
+evaluation's) comes as a SecAgg+ ``FitIns`` (Flower's ``secaggplus_mod`` handles the
+protocol's other stages, within contrafl's rules: :func:`~contrafl.flower.secagg.secure_mod`),
+and the reply goes back as the ``FitRes`` it masks (:mod:`contrafl.flower.secagg`), or,
+when the client's own check rejected its update, as an error reply of code
 :data:`~contrafl.flower.secagg.REJECTED` with the reason.
 
 A node config that does not fit the run (no ``partition-id``, one that is not a client
@@ -27,12 +27,12 @@ from __future__ import annotations
 import sys
 
 from .node import USER_ERROR, NodeSettings, info_record, number, reported  # first: a clear error when flwr is missing
-from flwr.app import Context, Error, Message, RecordDict
+from flwr.app import Context, Error, Message, MessageType, RecordDict
 from flwr.clientapp import ClientApp
 
 from ..errors import ConfigError, ContraflError
 from . import worker
-from .secagg import REJECTED, UpdateRejected, is_secure_request, reply_fitres, secure_mod, unwrap_request
+from .secagg import REJECTED, UpdateRejected, is_evaluation, is_secure_request, reply_fitres, secure_mod, unwrap_request
 
 app = ClientApp(mods=[secure_mod])
 
@@ -45,12 +45,13 @@ def serve(msg: Message, context: Context) -> Message:
         settings = NodeSettings.of(context)
         settings.check()
         request, rounding_seed, spec = unwrap_request(msg.content) if is_secure_request(msg.content) else (msg.content, None, None)
+        kind = MessageType.EVALUATE if spec is not None and is_evaluation(request) else msg.metadata.message_type  # a secure evaluation comes as SecAgg+'s train
         if settings.worker:
-            content = worker.request(settings, msg.metadata.message_type, request)
+            content = worker.request(settings, kind, request)
         else:
             from .client import FlowerClient
 
-            content = FlowerClient.of(settings).answer(msg.metadata.message_type, request)
+            content = FlowerClient.of(settings).answer(kind, request)
         return Message(content if spec is None else reply_fitres(content, rounding_seed, spec), reply_to=msg)
     except UpdateRejected as exc:
         print(f"contrafl: this client's update is rejected before masking and enters no secure sum: {exc}", file=sys.stderr, flush=True)

@@ -46,7 +46,9 @@ contrafl fits its round into that flow:
 The stochastic rounding draws from numpy's global generator, which the client seeds
 from ``(seed, "secagg", round, client)`` before the mod quantises: the masks cancel
 exactly, so a run is reproducible. Algorithms whose server needs more than these sums
-refuse (:func:`refusal`).
+refuse (:func:`refusal`). A federated evaluation of the global model runs the same way
+(:meth:`SecureRound.run_scores`): each client's test samples, correct predictions and
+loss enter a sum of their own, with its own ledger entry.
 
 **At least 3 clients** (:data:`MIN_CLIENTS`). flwr 1.41's SecAgg+ draws every mask from
 a Mersenne Twister seeded with 32 bits (``pseudo_rand_gen`` XORs the key down to 32
@@ -93,7 +95,9 @@ from flwr.compat.common import recorddict_compat as compat  # noqa: E402
 from ..errors import ClientUpdateError, ContraflError  # noqa: E402
 from ..files import write_atomic  # noqa: E402
 from .node import USER_ERROR, NodeSettings, client_state_dir, reported  # noqa: E402
-from .secure_sums import CLIPPING_RANGE, QUANTIZATION_RANGE, SumRejected, SumSpec, client_sums, rebuild  # noqa: E402
+from .secure_sums import (  # noqa: E402
+    CLIPPING_RANGE, QUANTIZATION_RANGE, SumRejected, SumSpec, client_sums, rebuild, rebuild_scores, score_sums,
+)
 from .wire import pack, unpack  # noqa: E402
 
 #: The share of a client's key shares that rebuild it: up to a third of the round's clients
@@ -175,8 +179,10 @@ def tree_nodes(record: RecordDict) -> dict[str, Any]:
 
 
 def reply_fitres(reply: RecordDict, rounding_seed: int, spec: SumSpec) -> RecordDict:
-    """A client's plain train reply as the ``FitRes`` SecAgg+ masks: what it puts into the
-    round's secure sums (:func:`~contrafl.flower.secure_sums.client_sums`) as parameters,
+    """A client's plain train reply (or its evaluation of the global model:
+    :func:`~contrafl.flower.secure_sums.score_sums`) as the ``FitRes`` SecAgg+ masks:
+    what it puts into the round's secure sums
+    (:func:`~contrafl.flower.secure_sums.client_sums`) as parameters,
     each of weight 1 (``num_examples`` is the max weight, which SecAgg+ divides by); the
     rest, in the clear, and the layout of the sums packed in the metrics. Raises
     :class:`UpdateRejected` for a reply the client rejected
@@ -185,7 +191,7 @@ def reply_fitres(reply: RecordDict, rounding_seed: int, spec: SumSpec) -> Record
     top = tree_nodes(reply)
     if "rejected" in top:
         raise UpdateRejected(str(top["rejected"]["value"]))
-    masked, rest, layout = client_sums(reply, spec)
+    masked, rest, layout = client_sums(reply, spec) if "payload" in top else score_sums(reply)
     fitres = FitRes(Status(Code.OK, ""), ndarrays_to_parameters(masked), spec.max_weight, {REST: pack(rest), SECURE: layout})
     np.random.seed(rounding_seed % 2**32)
     return compat.fitres_to_recorddict(fitres, keep_input=True)
@@ -240,11 +246,12 @@ def collect_refusal(msg: Message, context: Any) -> None:
     the unmask stage."""
     request, _, _ = unwrap_request(msg.content)
     t = int(tree_nodes(request)["round"]["value"]) + 1
+    key = f"the evaluation after round {t - 1}" if is_evaluation(request) else str(t)  # an evaluation's sum has its own entry
     clients = len(msg.content.config_records[RECORD_KEY_CONFIGS][Key.SOURCE_LIST]) + 1
     if clients < MIN_CLIENTS:
-        raise ContraflError(f"round {t}: SecAgg+ asks for this client's masked update in a sum of {clients} clients; it sends it only into one of {MIN_CLIENTS} or more: {WHY_THREE}")
+        raise ContraflError(f"{_what(key)}: SecAgg+ asks for this client's masked update in a sum of {clients} clients; it sends it only into one of {MIN_CLIENTS} or more: {WHY_THREE}")
     participants = str(msg.content.config_records["fitins.config"][PARTICIPANTS])
-    context.state.config_records[ROUND_STATE] = ConfigRecord({"round": t, "participants": participants})
+    context.state.config_records[ROUND_STATE] = ConfigRecord({"round": key, "participants": participants})
 
 
 def unmask_refusal(msg: Message, context: Any) -> None:
@@ -256,14 +263,19 @@ def unmask_refusal(msg: Message, context: Any) -> None:
     state = context.state.config_records.get(ROUND_STATE)
     if state is None:
         raise ContraflError("SecAgg+ asks this client to unmask a round it sent no masked update in (did its SuperNode restart?); it sends no key shares")
-    t = int(state["round"])
+    t = str(state["round"])
     if len(active) < MIN_CLIENTS:
-        raise ContraflError(f"round {t}: SecAgg+ asks this client to unmask a sum of {len(active)} clients; it unmasks only one of {MIN_CLIENTS} or more: {WHY_THREE}")
+        raise ContraflError(f"{_what(t)}: SecAgg+ asks this client to unmask a sum of {len(active)} clients; it unmasks only one of {MIN_CLIENTS} or more: {WHY_THREE}")
     client_of = {int(node): int(cid) for node, cid in json.loads(str(state["participants"])).items()}
     unknown = sorted(node for node in active if node not in client_of)
     if unknown:
-        raise ContraflError(f"round {t}: SecAgg+ asks this client to unmask a sum with node {unknown[0]}, which is not among the round's participants (nodes {sorted(client_of)}); it sends no key shares")
+        raise ContraflError(f"{_what(t)}: SecAgg+ asks this client to unmask a sum with node {unknown[0]}, which is not among the round's participants (nodes {sorted(client_of)}); it sends no key shares")
     check_ledger(ledger_file(NodeSettings.of(context)), t, sorted(client_of[node] for node in active))
+
+
+def _what(key: int | str) -> str:
+    """A ledger key as words: ``round 3``, or ``the evaluation after round 2``."""
+    return f"round {key}" if str(key).isdigit() else str(key)
 
 
 def ledger_file(settings: NodeSettings) -> Path:
@@ -273,11 +285,12 @@ def ledger_file(settings: NodeSettings) -> Path:
     return client_state_dir(settings.run_dir, settings.partition_id, settings.state_dir) / LEDGER
 
 
-def check_ledger(path: Path, t: int, clients: list[int]) -> None:
+def check_ledger(path: Path, t: int | str, clients: list[int]) -> None:
     """Let the client unmask round ``t``'s sum over ``clients`` (sorted ids), or raise
     :class:`ContraflError`: a client unmasks each round over one set of clients only,
-    which its ledger at ``path`` (JSON ``{round: clients}``) records, atomically, before
-    it sends its key shares. The same set again is allowed."""
+    which its ledger at ``path`` (JSON ``{round: clients}``; an evaluation's sum under
+    ``"evaluate T"``) records, atomically, before it sends its key shares. The same set
+    again is allowed."""
     try:
         ledger = json.loads(path.read_text()) if path.exists() else {}
     except (OSError, ValueError) as exc:
@@ -293,13 +306,19 @@ def check_ledger(path: Path, t: int, clients: list[int]) -> None:
         write_atomic(path, lambda f: f.write(json.dumps({**ledger, str(t): clients}).encode()))
     elif before != clients:
         raise ContraflError(
-            f"round {t}: SecAgg+ asks this client to unmask a sum over clients {clients}, but it unmasked one over clients {before} "
+            f"{_what(t)}: SecAgg+ asks this client to unmask a sum over clients {clients}, but it unmasked one over clients {before} "
             f"in this round already ({path}), and the two sums would give the server their difference; "
             "resume the run when the same clients can finish the round"
         )
 
 
 # -- server ----------------------------------------------------------------------------------
+def is_evaluation(request: RecordDict) -> bool:
+    """Whether a request (a :mod:`~contrafl.flower.codec` tree) asks the client to
+    evaluate the global model (federated evaluation) rather than to train."""
+    return "global" in tree_nodes(request)
+
+
 def request_fitins(request: RecordDict, rounding_seed: int, participants: dict[int, int], spec: SumSpec) -> FitIns:
     """The ``FitIns`` carrying a client's train request, with the seed of its rounding, the
     round's ``participants`` (``{node id: client id}``; see the module docstring) and
@@ -336,6 +355,20 @@ class SecureRound:
         layouts = {cid: str(f.metrics[SECURE]) for cid, f in results.items()}
         try:
             return rebuild(mean, rests, layouts, self.spec, expected(sorted(results))), errors
+        except SumRejected as exc:
+            exc.clients, exc.errors = sorted(results), errors
+            raise
+
+    def run_scores(self, t: int, node_of: dict[int, int], fitins: dict[int, FitIns]) -> tuple[dict[int, dict | None], dict[int, Message]]:
+        """A federated evaluation through SecAgg+: the clients' scores rebuilt from the
+        round's sums (:func:`~contrafl.flower.secure_sums.rebuild_scores`), and the error
+        replies; :class:`~contrafl.flower.secure_sums.SumRejected` as :meth:`run`."""
+        results, errors = self.exchange(t, node_of, fitins)
+        if not results:
+            return {}, errors
+        mean = parameters_to_ndarrays(next(iter(results.values())).parameters)
+        try:
+            return rebuild_scores(mean, sorted(results), {cid: str(f.metrics[SECURE]) for cid, f in results.items()}), errors
         except SumRejected as exc:
             exc.clients, exc.errors = sorted(results), errors
             raise

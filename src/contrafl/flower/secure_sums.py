@@ -2,7 +2,9 @@
 the sums (:mod:`contrafl.flower.secagg`), without torch.
 
 An algorithm that secure aggregation serves aggregates sums only. Under SecAgg+ a client
-sends, masked, and nothing of it in the clear (:func:`client_sums`):
+sends, masked, and nothing of it in the clear (:func:`client_sums`; its evaluation of
+the global model, federated evaluation, as the sums of its test samples, correct
+predictions and loss: :func:`score_sums`, :func:`rebuild_scores`):
 
 - **weighted floating-point tensors**: every floating-point tensor ``x`` of its payload,
   clipped to ``+-CLIPPING_RANGE``, times ``w / W`` (``w``: the reply's ``num_samples``,
@@ -174,6 +176,21 @@ def client_sums(reply: RecordDict, spec: SumSpec) -> tuple[list[np.ndarray], Rec
     return [*floats, digits(values)], rest, json.dumps(layout, separators=(",", ":"))
 
 
+def score_sums(reply: RecordDict) -> tuple[list[np.ndarray], RecordDict, str]:
+    """A client's evaluation of the global model (``{acc, loss, n}``, or ``{}`` without
+    test data) as what SecAgg+ masks: its test samples, correct predictions and summed
+    loss (fixed point) as the digits of whole numbers; nothing in the clear."""
+    top = {key: node["value"] for key, node in json.loads(str(reply["tree"]["json"]))["dict"]}
+    n = int(top.get("n") or 0)
+    acc, loss = (float(top["acc"]), float(top["loss"])) if n else (0.0, 0.0)
+    if not (math.isfinite(acc) and math.isfinite(loss)):
+        raise ContraflError(f"the evaluation's accuracy {acc!r} or loss {loss!r} is not finite, which a secure sum cannot carry")
+    ints = [("n", [n]), ("correct", [round(acc * n)]), *_signed("loss", loss * n)]
+    values = np.array([v for _, vs in ints for v in vs], dtype=np.int64)
+    layout = {"floats": [], "ints": [[key, len(vs)] for key, vs in ints], "tables": {}, "scores": True}
+    return [digits(values)], record_of({}, json.dumps({"dict": []})), json.dumps(layout, separators=(",", ":"))
+
+
 def _signed(key: str, value: float) -> list[tuple[str, list[int]]]:
     """A real ``value`` as two whole numbers of ``1 / FIXED``: its positive and negative parts."""
     fixed = round(value * FIXED)
@@ -323,6 +340,27 @@ def as_dtype(values: np.ndarray, dtype: str) -> np.ndarray:
 
     cast = torch.from_numpy(np.ascontiguousarray(values)).to(getattr(torch, dtype))
     return cast.view(_SAME_WIDTH[cast.element_size()]).numpy()
+
+
+def rebuild_scores(mean: list[np.ndarray], cids: list[int], layouts: Mapping[int, str]) -> dict[int, dict[str, Any] | None]:
+    """The clients' evaluations rebuilt from the round's unmasked ``mean`` of their
+    :func:`score_sums`: the totals of test samples and correct predictions shared out as
+    whole numbers (``correct_i <= n_i``, summing to the totals) with the mean loss, so
+    that the server's sample-weighted means are the round's (``None`` for a share
+    without samples). :class:`SumRejected` when the sums fail a check."""
+    m = len(cids)
+    if len({layouts[c] for c in cids}) != 1 or not json.loads(layouts[cids[0]]).get("scores"):
+        raise SumRejected("its clients masked evaluations of different layouts, which cannot be summed")
+    n, correct, positive, negative = (int(v) for v in whole_sums(np.asarray(mean[-1], np.float64) * m, m))
+    if correct > n:
+        raise SumRejected(f"its summed correct predictions ({correct}) exceed its summed test samples ({n})")
+    if n == 0:
+        return {cid: None for cid in cids}
+    loss = (positive - negative) / FIXED / n
+    return {
+        cid: {"acc": c / k, "loss": loss, "n": k} if k else None
+        for cid, k, c in zip(cids, _shares(n, m), _shares(correct, m))
+    }
 
 
 def _shares(total: int, m: int) -> list[int]:

@@ -332,11 +332,13 @@ class PolledGrid:
 
 
 class SecureTransport(GridTransport):
-    """A :class:`GridTransport` whose training rounds run through Flower's SecAgg+
-    (:mod:`contrafl.flower.secagg`): the server sees each client's reply with the
-    sample-weighted mean of the round's floating-point tensors in place of its own, and
-    the updates its clients rejected before masking as rejected. Evaluate messages go as
-    before. Every round has at least :data:`~contrafl.flower.secagg.MIN_CLIENTS` clients.
+    """A :class:`GridTransport` whose training rounds and federated evaluations run
+    through Flower's SecAgg+ (:mod:`contrafl.flower.secagg`): the server sees each
+    client's reply rebuilt from the round's sums (the weighted means in place of its
+    tensors, a share of the totals), each client's evaluation as a share of the round's
+    totals, and the updates its clients rejected before masking as rejected. Personal
+    evaluations (``eval_personal``) go as before. Every round has at least
+    :data:`~contrafl.flower.secagg.MIN_CLIENTS` clients.
 
     Args (beyond :class:`GridTransport`'s):
         context: the ServerApp's context (the workflow runs in a legacy context over it).
@@ -414,6 +416,38 @@ class SecureTransport(GridTransport):
             yield outcome_of(cid, decode(replies[cid]))
         for cid, why in sorted(lost.items()):
             yield ClientOutcome(cid, None, lost=why)
+
+
+    def evaluate_model(self, t: int, cids: list[int], state: dict[str, Any]) -> Iterator[tuple[int, Scores | None]]:
+        """Federated evaluation through SecAgg+: the global model ``state`` to the nodes
+        of ``cids``, each of which evaluates it on its own test data and sends its test
+        samples, correct predictions and loss into the round's secure sums; the scores
+        rebuilt from the sums (:func:`~contrafl.flower.secure_sums.rebuild_scores`: the
+        totals shared out, so the server's means are the round's). Raises
+        :class:`ContraflError` when fewer than ``min_replies`` (or
+        :data:`~contrafl.flower.secagg.MIN_CLIENTS`) clients can answer, or when the
+        sums fail the server's checks."""
+        node_of = self.nodes(cids)
+        lost = self.missing(cids, node_of)
+        needed = min(self.min_replies, len(cids))
+        if len(node_of) < max(needed, MIN_CLIENTS):
+            raise self.too_few(t - 1, f"{len(node_of)} of {len(cids)} clients have a SuperNode for its evaluation (a secure sum needs {MIN_CLIENTS})", lost)
+        participants = {node: cid for cid, node in node_of.items()}
+        fitins = {
+            cid: request_fitins(self.request(t, cid, lambda _: {"model": state}, {"global": True}), derive_seed(self.seed, "secagg-evaluate", t, cid),
+                                participants, self.spec)
+            for cid in sorted(node_of)
+        }
+        try:
+            scores, errors = self.secure.run_scores(t, node_of, fitins)
+        except SumRejected as exc:
+            raise ContraflError(f"the evaluation after round {t}: its secure sum over clients {exc.clients} was rejected: {exc}") from None
+        for cid in sorted(set(node_of) - set(scores)):
+            self.forget(cid)
+            lost[cid] = reason_of(errors[cid]) if cid in errors else f"no answer to SecAgg+ within {self.round_timeout:g}s"
+        if len(scores) < needed:
+            raise self.too_few(t - 1, f"{len(scores)} of {len(cids)} clients answered its evaluation", lost)
+        yield from sorted(scores.items())
 
 
 def outcome_of(cid: int, tree: dict[str, Any]) -> ClientOutcome:
