@@ -645,3 +645,28 @@ def test_federated_evaluation_through_secure_sums_gives_the_rounds_means_and_no_
     assert [s["n"] for s in secure.values()] != [s["n"] for s in plain.values()]  # shares of the total, not the clients' own
     ledger = json.loads((tmp_path / "run" / "flower-clients" / "client-0" / LEDGER).read_text())
     assert ledger == {"the evaluation after round 1": [0, 1, 2, 3]}
+
+
+def test_a_client_that_took_no_step_adds_nothing_to_the_loss(tmp_path):
+    """A site with fewer samples than a batch (drop_last) trains no step and reports no
+    loss (None): it adds 0 to the secure sum of losses and its samples to the weight,
+    as a plain round counts it (found following docs/flower.md's command on small sites)."""
+    gen = torch.Generator().manual_seed(11)
+    trees = [table_tree(cid, gen) for cid in range(3)]
+    trees[0] = {**trees[0], "loss": None, "steps": 0, "parts": {"ce": None, "con": None}}
+    spec = SumSpec(40)
+    results, _ = sum_round(tmp_path, trees, spec)
+    out = rebuilt(results, spec, expected=sum(t["num_samples"] for t in trees))
+    assert sum(t["steps"] for t in out.values()) == sum(t["steps"] for t in trees[1:])
+    assert sum(t["loss"] for t in out.values()) == pytest.approx(sum(t["loss"] for t in trees[1:]), abs=1e-4)
+
+
+def test_a_site_with_more_samples_than_the_max_weight_refuses_without_telling_its_count():
+    """The refusal goes to the server as the client's error reply: it names the public
+    bound, not the site's count."""
+    tree = table_tree(0, torch.Generator().manual_seed(2))
+    tree = {**tree, "num_samples": 57}
+    with pytest.raises(ContraflError) as info:
+        reply_fitres(encode(tree), 0, SumSpec(40))
+    assert "more training samples than the run's secure-aggregation max weight 40" in str(info.value)
+    assert "57" not in str(info.value) and "\n" not in str(info.value)

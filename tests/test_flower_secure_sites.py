@@ -99,3 +99,30 @@ def test_sites_that_keep_their_data_train_through_secure_sums_and_the_server_lea
         assert named_arrays(rest) == {}  # no label counts (nor any other tensor: the payload's are all masked)
     for r in range(2):  # one layout for a round's clients: it tells nothing of one
         assert len({str(c["fitres.metrics"][SECURE]) for c in collected[3 * r:3 * r + 3]}) == 1
+
+
+def test_the_secure_sites_command_of_the_docs_as_written(tmp_path, monkeypatch):
+    """docs/flower.md's `contrafl deploy --tls --secure-aggregation --max-weight ...
+    --node-data ...` in a folder holding `clients/site-{a,b,c}` (one round instead of
+    20): a real deployment over TLS, whose sites train FedCRL through secure sums, ends
+    completed with its clients' accuracy."""
+    import shlex
+
+    from PIL import Image
+    import numpy as np
+
+    monkeypatch.chdir(tmp_path)
+    section = (Path(__file__).parents[1] / "docs" / "flower.md").read_text().split("## Secure aggregation (SecAgg+)")[1].split("\n## ")[0]
+    (command,) = [c for c in (b.split("```")[0].replace("\\\n", " ") for b in section.split("```bash\n")[1:]) if "--max-weight" in c]
+    classes = ["benign", "malignant", "normal"]
+    for k, site in enumerate(["site-a", "site-b", "site-c"]):
+        for split, n in (("train", 6), ("test", 2)):
+            for c in classes[k:] if k else classes[:2]:
+                (tmp_path / "clients" / site / split / c).mkdir(parents=True, exist_ok=True)
+                for i in range(n):
+                    Image.fromarray(np.full((32, 32, 3), 40 * (k + 1) + 20 * classes.index(c) + i, np.uint8)).save(tmp_path / "clients" / site / split / c / f"{i}.png")
+    args = shlex.split(command.replace("rounds=20", "rounds=1"))[1:]
+    assert args[:2] == ["deploy", "--tls"] and "--secure-aggregation" in args and "algorithm=fedcrl" in args
+    assert main([*args, "--out", "run"]) == 0
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["rounds_completed"] == 1

@@ -139,12 +139,13 @@ def client_sums(reply: RecordDict, spec: SumSpec) -> tuple[list[np.ndarray], Rec
     arrays = named_arrays(reply)
     w = int(top["num_samples"]["value"])
     if not 0 <= w <= spec.max_weight:
-        raise ContraflError(
-            f"this client has {w} training samples, more than the run's secure-aggregation max weight {spec.max_weight} "
+        raise ContraflError(  # the count itself stays here: this message goes to the server
+            f"this client has more training samples than the run's secure-aggregation max weight {spec.max_weight} "
             "(a public bound on every client's sample count); deploy with a larger --max-weight"
         )
-    steps, loss = int(top["steps"]["value"]), top["loss"]["value"]
-    parts = {k: node["value"] for k, node in top["parts"]["dict"]}
+    steps = int(top["steps"]["value"])
+    loss = top["loss"]["value"] if top["loss"]["value"] is not None else 0.0  # None: no step (fewer samples than a batch)
+    parts = {k: node["value"] if node["value"] is not None else 0.0 for k, node in top["parts"]["dict"]}
     for name, value in {"the training loss": loss, **{f"loss part {k!r}": v for k, v in parts.items()}}.items():
         if not isinstance(value, (int, float)) or not math.isfinite(value):
             raise ContraflError(f"{name} is {value!r}, which a secure sum cannot carry (training diverged?)")
