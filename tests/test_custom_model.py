@@ -324,27 +324,3 @@ def test_executor_vectorized_refuses_a_model_it_cannot_train(tmp_path, monkeypat
     assert len(err) == 1 and "executor=vectorized cannot train model" in err[0] and "branchy.py line 11" in err[0]
     assert not (tmp_path / "run").exists()
 
-
-def test_the_readmes_own_data_command_runs_with_the_encoder_of_the_docs(tmp_path, monkeypatch):
-    """Issue #54: the README's `model=./nets.py:...` named a factory that
-    docs/extending.md's nets.py does not define. Its command, as written (one round),
-    runs in a folder holding docs/extending.md's nets.py and `my-images/` in class
-    folders."""
-    from PIL import Image
-    import numpy as np
-
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    (command,) = [line for line in readme.splitlines() if line.startswith("contrafl run dataset=folder data_dir=my-images")]
-    factory = re.search(r"model=\./nets\.py:(\w+)", command).group(1)
-    assert re.search(rf"^def {factory}\(", docs_file("nets.py"), re.M), f"docs/extending.md's nets.py defines no {factory}"
-    monkeypatch.chdir(tmp_path)
-    (tmp_path / "nets.py").write_text(docs_file("nets.py"))
-    rng = np.random.default_rng(0)
-    for split, n in (("train", 12), ("test", 4)):
-        for c in ("cat", "dog"):
-            (tmp_path / "my-images" / split / c).mkdir(parents=True)
-            for i in range(n):
-                Image.fromarray(rng.integers(0, 256, (40, 40, 3), dtype=np.uint8)).save(tmp_path / "my-images" / split / c / f"{i}.png")
-    args = command.split()[1:]
-    assert main([*args, "--quiet", "--out", "run", "rounds=1", "num_clients=2", "local_epochs=1", "batch_size=8", "executor=sequential"]) == 0
-    assert json.loads((tmp_path / "run" / "summary.json").read_text())["status"] == "completed"

@@ -14,6 +14,7 @@ import pytest
 from PIL import Image
 
 from contrafl.cli import main
+from test_custom_model import docs_file
 from test_user_datasets import leaf_file, pfllib_dataset
 
 ALGORITHMS = {
@@ -120,10 +121,11 @@ def readme_commands() -> list[str]:
 
 def test_the_readmes_own_data_commands_run_as_written(tmp_path, monkeypatch, sources):
     """The README's three commands, run in a folder holding the files they name (a
-    shorter run: rounds=1 and fewer clients)."""
+    shorter run: rounds=1 and fewer clients); its encoder is docs/extending.md's
+    nets.py, whose factory the README names (issue #54)."""
     monkeypatch.chdir(tmp_path)
     image_tree(tmp_path / "my-images" / "train", dict.fromkeys(["a", "b"], 10), size=32)
-    Path("nets.py").write_text(ENCODER)
+    Path("nets.py").write_text(docs_file("nets.py"))  # docs/extending.md's encoder, which the README's command names
     arrays(tmp_path / "my-arrays.npz")
     huggingface(tmp_path / "my-hf-dataset")
     commands = readme_commands()
@@ -132,7 +134,7 @@ def test_the_readmes_own_data_commands_run_as_written(tmp_path, monkeypatch, sou
         args = command.split()[1:] + ["rounds=1", "num_clients=2", "batch_size=4", "executor=sequential", "partition.min_size=2"]
         assert main(args) == 0, command
     assert len(list(Path("runs").iterdir())) >= 3
-    assert re.search(r"model=\./nets\.py:encoder", commands[0])
+    assert re.search(r"model=\./nets\.py:make_encoder", commands[0])
 
 
 @pytest.mark.slow
