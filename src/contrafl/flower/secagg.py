@@ -289,7 +289,7 @@ def check_ledger(path: Path, t: int | str, clients: list[int]) -> None:
     """Let the client unmask round ``t``'s sum over ``clients`` (sorted ids), or raise
     :class:`ContraflError`: a client unmasks each round over one set of clients only,
     which its ledger at ``path`` (JSON ``{round: clients}``; an evaluation's sum under
-    ``"evaluate T"``) records, atomically, before it sends its key shares. The same set
+    ``"the evaluation after round T"``) records, atomically, before it sends its key shares. The same set
     again is allowed."""
     try:
         ledger = json.loads(path.read_text()) if path.exists() else {}
@@ -347,28 +347,25 @@ class SecureRound:
         error replies. :class:`~contrafl.flower.secure_sums.SumRejected` when the sums
         fail the server's checks, naming the ``clients`` of the sum and carrying the
         round's ``errors``."""
-        results, errors = self.exchange(t, node_of, fitins)
-        if not results:
-            return {}, errors
-        mean = parameters_to_ndarrays(next(iter(results.values())).parameters)  # the workflow gives every FitRes the mean
-        rests = {cid: unpack(bytes(f.metrics[REST])) for cid, f in results.items()}
-        layouts = {cid: str(f.metrics[SECURE]) for cid, f in results.items()}
-        try:
-            return rebuild(mean, rests, layouts, self.spec, expected(sorted(results))), errors
-        except SumRejected as exc:
-            exc.clients, exc.errors = sorted(results), errors
-            raise
+        return self.summed(t, node_of, fitins, lambda mean, results: rebuild(
+            mean, {cid: unpack(bytes(f.metrics[REST])) for cid, f in results.items()}, layouts(results), self.spec, expected(sorted(results))))
 
     def run_scores(self, t: int, node_of: dict[int, int], fitins: dict[int, FitIns]) -> tuple[dict[int, dict | None], dict[int, Message]]:
         """A federated evaluation through SecAgg+: the clients' scores rebuilt from the
         round's sums (:func:`~contrafl.flower.secure_sums.rebuild_scores`), and the error
         replies; :class:`~contrafl.flower.secure_sums.SumRejected` as :meth:`run`."""
+        return self.summed(t, node_of, fitins, lambda mean, results: rebuild_scores(mean, sorted(results), layouts(results)))
+
+    def summed(self, t: int, node_of: dict[int, int], fitins: dict[int, FitIns], build: Callable[[list, dict[int, FitRes]], dict]) -> tuple[dict, dict[int, Message]]:
+        """:meth:`exchange`, then ``build(mean, results)`` from the unmasked mean (the
+        workflow gives every ``FitRes`` the same one) and the clients' results; a
+        :class:`~contrafl.flower.secure_sums.SumRejected` gets the sum's ``clients`` and
+        the round's ``errors``."""
         results, errors = self.exchange(t, node_of, fitins)
         if not results:
             return {}, errors
-        mean = parameters_to_ndarrays(next(iter(results.values())).parameters)
         try:
-            return rebuild_scores(mean, sorted(results), {cid: str(f.metrics[SECURE]) for cid, f in results.items()}), errors
+            return build(parameters_to_ndarrays(next(iter(results.values())).parameters), results), errors
         except SumRejected as exc:
             exc.clients, exc.errors = sorted(results), errors
             raise
@@ -405,6 +402,11 @@ class SecureRound:
             random.setstate(state)
         results = {cid_of[proxy.node_id]: fitres for proxy, fitres in strategy.results}
         return results, {cid_of[node]: reply for node, reply in grid.errors.items() if node in cid_of}
+
+
+def layouts(results: dict[int, FitRes]) -> dict[int, str]:
+    """Each client's layout of what it masked (from its ``FitRes`` metrics)."""
+    return {cid: str(f.metrics[SECURE]) for cid, f in results.items()}
 
 
 class _ErrorsSeen:
