@@ -10,7 +10,7 @@ def test_defaults():
     cfg = load_config()
     assert cfg.dataset == Component("digits")
     assert cfg.algorithm == Component("fedavg")
-    assert cfg.num_clients == 10 and cfg.partition.name == "dirichlet"
+    assert cfg.num_clients is None and cfg.partition.name == "auto"  # the files' clients, else 10 and dirichlet
     assert cfg.rounds is None  # auto
 
 

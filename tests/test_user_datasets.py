@@ -429,10 +429,11 @@ def test_leaf_users_are_clients(tmp_path):
     a = leaf_file(root / "train" / "all_data_1_niid_0_keep_0_train_9.json", {"f3": (5, 0), "f1": (4, 8)})
     leaf_file(root / "train" / "all_data_0_niid_0_keep_0_train_9.json", {"f9": (3, 2)})
     leaf_file(root / "test" / "all_data_0_niid_0_keep_0_test_9.json", {"f1": (2, 9), "f9": (1, 2)})
+    leaf_file(root / "test" / "all_data_1_niid_0_keep_0_test_9.json", {"f3": (1, 0)})
     ds = load("leaf", root)
     assert ds.client_names == ["f9", "f3", "f1"] and ds.local_test
     assert ds.classes == [str(i) for i in range(11)] and tuple(ds.train.x.shape) == (12, 16) and ds.mean is None
-    assert [len(r) for r in ds.natural_partition["test"]] == [1, 0, 2]
+    assert [len(r) for r in ds.natural_partition["test"]] == [1, 1, 2]
     np.testing.assert_allclose(ds.train.x[ds.natural_partition["train"][1]].numpy(), np.array(a["user_data"]["f3"]["x"]), rtol=1e-6)
     assert ds.train.y[ds.natural_partition["train"][2]].tolist() == [8, 9, 8, 9]
     images = load("leaf", root, shape="[1,4,4]")
@@ -446,7 +447,7 @@ def test_leaf_bad_inputs(tmp_path):
     leaf_file(root / "train" / "a.json", {"u1": (3, 0)})
     leaf_file(root / "test" / "a.json", {"u2": (2, 0)})
     one_line_error(DataError, "test user 'u2' has no training data", "leaf", root)
-    (root / "test" / "a.json").unlink()
+    leaf_file(root / "test" / "a.json", {"u1": (2, 0), "s": (1, 0)})
     (root / "train" / "b.json").write_text(json.dumps({"users": ["s"], "num_samples": [1], "user_data": {"s": {"x": ["to be or"], "y": ["n"]}}}))
     one_line_error(DataError, "not vectors of numbers", "leaf", root)
     (root / "train" / "b.json").write_text("{broken")
@@ -458,6 +459,7 @@ def test_leaf_bad_inputs(tmp_path):
     (root / "train" / "b.json").write_text(json.dumps({"users": ["u1"], "user_data": {"u1": {"x": [[1.0] * 16], "y": [1]}}}))
     one_line_error(DataError, "appears twice", "leaf", root)
     (root / "train" / "b.json").unlink()
+    leaf_file(root / "test" / "a.json", {"u1": (2, 0)})
     one_line_error(DataError, "would take", "leaf", root, max_memory_gb=1e-9)
     one_line_error(DataError, "holds no .json files", "leaf", tmp_path)
 

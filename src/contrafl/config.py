@@ -9,8 +9,10 @@ and ``algorithm.mu=5`` an option; changing a component's name drops options give
 the previous component earlier in the file.
 
 Settings whose value is ``auto`` are filled in by :func:`resolve` from the dataset's
-recommendations (model, batch size, rounds, local epochs, augmentation) and the
-algorithm (server momentum); the resolved configuration is what a run directory records.
+recommendations (model, batch size, rounds, local epochs, augmentation), the dataset's
+files (``partition=natural`` and their clients for files split per client, else
+:data:`DEFAULT_PARTITION` and :data:`DEFAULT_CLIENTS`) and the algorithm (server
+momentum); the resolved configuration is what a run directory records.
 """
 
 from __future__ import annotations
@@ -30,6 +32,10 @@ from .errors import ConfigError
 from .speeds import SpeedSpec
 
 COMPONENTS = ("dataset", "partition", "model", "algorithm", "dp")
+DEFAULT_PARTITION = "dirichlet"
+"""The partition of ``partition=auto`` for data that are not split per client by their files."""
+DEFAULT_CLIENTS = 10
+"""The clients of ``num_clients=auto`` for data that are not split per client by their files."""
 
 
 @dataclass(frozen=True)
@@ -80,7 +86,7 @@ class Config:
     """Every setting of a run. ``None`` means ``auto`` where the doc says so."""
 
     dataset: Component = field(default_factory=lambda: Component("digits"))
-    partition: Component = field(default_factory=lambda: Component("dirichlet"))
+    partition: Component = field(default_factory=lambda: Component("auto"))
     model: Component = field(default_factory=lambda: Component("auto"))
     algorithm: Component = field(default_factory=lambda: Component("fedavg"))
     dp: Component = field(default_factory=lambda: Component("none"))
@@ -101,9 +107,14 @@ class Config:
     global_eval: str = P.param(
         "auto", P.OneOf(("auto", "server", "federated")),
         "where the global model is evaluated: server (on the test set) or federated (every client on its local test split, "
-        "the sample-weighted mean, as Flower's evaluate round); auto: federated with node_data=own and no server_test, else server",
+        "the sample-weighted mean, as Flower's evaluate round); auto: federated with node_data=own and no server_test, else server "
+        "(with partition=natural on clients with test data of their own, the test set is their union: the same test_acc as federated)",
     )
-    num_clients: int = P.param(10, P.Interval(1, None), "number of clients N")
+    num_clients: int | None = P.param(
+        None, P.Interval(1, None),
+        f"number of clients N (auto: the clients of data split per client by its files, one per PFLlib file pair, LEAF user or "
+        f"client folder; else {DEFAULT_CLIENTS})",
+    )
     test_fraction: float = P.param(0.0, P.Interval(0, 1, "left"), "per-client test split (PFLlib uses 0.25); 0 = none")
     pool: bool = P.param(False, None, "pool the official train and test sets before partitioning (PFLlib); needs test_fraction > 0")
     normalize: str = P.param("dataset", P.OneOf(("dataset", "half", "none")), "input normalisation: the dataset's channel mean/std, 0.5/0.5 (PFLlib) or none (pixels in [0, 1], FedU2)")

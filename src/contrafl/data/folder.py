@@ -10,9 +10,11 @@ files and folders, and other files, are ignored):
 * ``ROOT/<class>/...``: the same as ``ROOT/train`` without a test folder;
 * ``ROOT/clients/<name>/train/<class>/...`` (and ``.../<name>/test/<class>/...``): naturally
   federated data, one client per folder in natural order (``site2`` before ``site10``), named
-  by it, for ``partition=natural``; each client's test folder is its own test data (a
-  client without one gets ``dataset.test_fraction`` of its images as test data). A
-  ``clients`` folder makes ``ROOT`` this layout, whatever else it holds.
+  by it: ``partition=natural`` with one client per folder, the default for this layout (the
+  folders counted by name, :func:`folder_clients`, before any image is opened); each client's
+  test folder is its own test data (a client without one gets ``dataset.test_fraction`` of
+  its images as test data). A ``clients`` folder makes ``ROOT`` this layout, whatever else
+  it holds.
 
 A client's folder given as ``data_dir`` (``ROOT/clients/site-a``) is a dataset of the first
 layout: what a SuperNode holding its own data reads.
@@ -47,7 +49,7 @@ from .datasets import _fingerprint
 from .registry import DATASETS, DatasetSpec, LoadRequest
 from .user import CommonOptions, Part, assemble, check_memory, natural_key, split_test
 
-__all__ = ["FolderOptions", "load_folder", "IMAGE_EXTENSIONS"]
+__all__ = ["FolderOptions", "folder_clients", "load_folder", "IMAGE_EXTENSIONS"]
 
 IMAGE_EXTENSIONS = frozenset({".png", ".jpg", ".jpeg", ".bmp", ".webp"})
 CACHE_DIR = ".contrafl-cache"
@@ -140,20 +142,41 @@ def _tree(name: str, train: Path, test: Path | None) -> _Tree:
     return _Tree(name, train, names, items(train_classes), items(test_classes) if test is not None else None)
 
 
-def _layout(root: Path) -> tuple[list[_Tree], bool]:
-    """The image trees of ``root`` (one per client when naturally federated) and whether
-    it is."""
+def _client_folders(root: Path) -> list[Path] | None:
+    """The client folders of ``root`` (``ROOT/clients/<name>``, in natural order of their
+    names, each checked to hold a train folder), or ``None`` when ``root`` is not
+    naturally federated."""
     if not root.is_dir():
         raise DataError(f"data_dir={root} is not a folder; dataset=folder reads ROOT/train/<class>/*.png (see `contrafl list datasets`)")
     clients = root / "clients"
-    if clients.is_dir():
-        folders = sorted((p for p in clients.iterdir() if p.is_dir() and _visible(p)), key=lambda p: natural_key(p.name))
-        if not folders:
-            raise DataError(f"{clients} holds no client folders; put each client's images in {clients}/<name>/train/<class>/")
+    if not clients.is_dir():
+        return None
+    folders = sorted((p for p in clients.iterdir() if p.is_dir() and _visible(p)), key=lambda p: natural_key(p.name))
+    if not folders:
+        raise DataError(f"{clients} holds no client folders; put each client's images in {clients}/<name>/train/<class>/")
+    for folder in folders:
+        if not (folder / "train").is_dir():
+            raise DataError(f"client folder {folder} has no train folder; put its images in {folder}/train/<class>/, or remove it")
+    return folders
+
+
+def folder_clients(req: LoadRequest) -> list[str] | None:
+    """The clients of ``ROOT/clients/<name>/...`` at ``req.data_dir``, named by their
+    folders (read from the folder names, no image opened), or ``None`` for the layouts of
+    a dataset that is not split per client."""
+    if req.data_dir is None:
+        raise ConfigError("dataset folder needs data_dir=DIR, a folder of class folders of images")
+    folders = _client_folders(Path(req.data_dir))
+    return None if folders is None else [folder.name for folder in folders]
+
+
+def _layout(root: Path) -> tuple[list[_Tree], bool]:
+    """The image trees of ``root`` (one per client when naturally federated) and whether
+    it is."""
+    folders = _client_folders(root)
+    if folders is not None:
         trees = []
         for folder in folders:
-            if not (folder / "train").is_dir():
-                raise DataError(f"client folder {folder} has no train folder; put its images in {folder}/train/<class>/, or remove it")
             test = folder / "test"
             trees.append(_tree(folder.name, folder / "train", test if test.is_dir() else None))
         return trees, True
@@ -315,5 +338,6 @@ DATASETS.add(
         recommended={"batch_size": 32, "rounds": 20, "local_epochs": 5},
         options=FolderOptions,
         needs_data_dir=True,
+        clients=folder_clients,
     ),
 )

@@ -12,9 +12,16 @@ samples are its own test data. ``x`` becomes ``float32`` feature vectors, or flo
 ``[C, H, W]`` with ``dataset.shape`` (``[1,28,28]`` for FEMNIST). Labels are the classes
 ``0..max`` when integers, else the sorted names found.
 
+The folder is checked whole, as LEAF's sample split writes it: every user has training
+and test samples, in one training and one test file. A missing test folder, a user without
+test data (or a test user without training data, as a user split, ``-t user``, gives), a
+user listed twice in a split or without samples: a one-line error naming the file and the
+user. The users are counted from the files' ``users`` lists alone (:func:`leaf_clients`,
+which reads no sample where the list comes first, as LEAF writes it), so that
+``partition=natural`` and ``num_clients`` need not be given.
+
 LEAF's text datasets (Shakespeare, Sent140) and CelebA (whose ``x`` are file names) hold
-no numeric vectors and are refused with a one-line error, as is a user split (``-t user``),
-whose test users have no training data.
+no numeric vectors and are refused with a one-line error.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,9 +42,11 @@ from .base import FederatedDataset
 from .registry import DATASETS, DatasetSpec, LoadRequest
 from .user import CommonOptions, Part, assemble, check_memory, natural_key
 
-__all__ = ["LeafOptions", "load_leaf"]
+__all__ = ["LeafOptions", "leaf_clients", "load_leaf"]
 
 LAYOUT = "LEAF's layout: ROOT/train/*.json and ROOT/test/*.json (preprocess.sh ... -t sample)"
+USERS_FIRST = re.compile(r'\s*\{\s*"users"\s*:\s*')
+"""The head of a LEAF file whose first key is ``users``, as LEAF writes it."""
 
 
 @dataclass(frozen=True)
@@ -121,29 +131,96 @@ def _files(folder: Path) -> list[Path]:
     return sorted((p for p in folder.glob("*.json") if not p.name.startswith(".")), key=lambda p: natural_key(p.name))
 
 
+def _listed_users(path: Path) -> list[str]:
+    """The ``users`` list of a LEAF file, read from the file's head without parsing its
+    samples where the list comes first, as LEAF writes it (``split_data.py``); the whole
+    file is parsed where it does not."""
+    decoder = json.JSONDecoder()
+    try:
+        with open(path, encoding="utf-8") as f:
+            head, size = "", 1 << 16
+            while chunk := f.read(size):
+                head, size = head + chunk, 2 * size
+                start = USERS_FIRST.match(head)
+                if start is None:
+                    break
+                try:
+                    users = decoder.raw_decode(head, start.end())[0]
+                except ValueError:  # the list goes on past the head read so far
+                    continue
+                if not isinstance(users, list):
+                    break
+                return [str(user) for user in users]
+    except (OSError, UnicodeDecodeError):
+        pass  # _read names the problem
+    return [str(user) for user in _read(path)["users"]]
+
+
+def _user_files(root: Path) -> dict[str, dict[str, Path]]:
+    """Each user's training and test file (``{user: {"train": path, "test": path}}``), in
+    the order of the training files' ``users`` lists, the folder checked whole by those
+    lists alone: a one-line :class:`DataError` for a missing train or test folder, a user
+    listed twice in a split, a test user without training data or a user without test
+    data (LEAF's ``-t sample`` split gives every user both)."""
+    train_files, test_files = _files(root / "train"), _files(root / "test")
+    if not train_files:
+        raise DataError(f"{root / 'train'} holds no .json files; give data_dir the folder of LEAF's train and test folders ({LAYOUT})")
+    if not test_files:
+        raise DataError(
+            f"{root / 'test'} holds no .json files, but LEAF writes every user's test samples there beside {root / 'train'}; "
+            f"copy the test folder too ({LAYOUT})"
+        )
+    users: dict[str, dict[str, Path]] = {}
+    for split, files in (("train", train_files), ("test", test_files)):
+        for path in files:
+            for user in _listed_users(path):
+                if split == "test" and user not in users:
+                    raise DataError(
+                        f"{path}: test user {user!r} has no training data (LEAF's user split, -t user, gives test users of their own, "
+                        "which federated clients cannot hold); split by sample (-t sample)"
+                    )
+                if split in users.setdefault(user, {}):
+                    raise DataError(f"{path}: user {user!r} appears twice in the {split} files (also {users[user][split]}); keep one")
+                users[user][split] = path
+    if not users:
+        raise DataError(f"the files of {root / 'train'} list no users; give data_dir the folder of LEAF's train and test folders ({LAYOUT})")
+    missing = next((user for user, files in users.items() if "test" not in files), None)
+    if missing is not None:
+        raise DataError(
+            f"{users[missing]['train']}: user {missing!r} has no test samples in {root / 'test'}, but LEAF's sample split "
+            "(-t sample) gives every user test samples; copy all of the test files, or generate the split again"
+        )
+    return users
+
+
+def leaf_clients(req: LoadRequest) -> list[str]:
+    """The users of the LEAF folder ``req.data_dir``, the clients, from the files' ``users``
+    lists (the folder checked whole by them, no sample parsed where LEAF wrote the lists
+    first)."""
+    if req.data_dir is None:
+        raise ConfigError(f"dataset leaf needs data_dir=DIR, the folder of LEAF's train and test folders ({LAYOUT})")
+    return list(_user_files(Path(req.data_dir)))
+
+
 def load_leaf(req: LoadRequest) -> FederatedDataset:
     """The LEAF dataset at ``req.data_dir`` (see the module docstring)."""
     options = req.options if isinstance(req.options, LeafOptions) else LeafOptions()
     if req.data_dir is None:
         raise ConfigError(f"dataset leaf needs data_dir=DIR, the folder of LEAF's train and test folders ({LAYOUT})")
     root = Path(req.data_dir)
-    train_files, test_files = _files(root / "train"), _files(root / "test")
-    if not train_files:
-        raise DataError(f"{root / 'train'} holds no .json files; give data_dir the folder of LEAF's train and test folders ({LAYOUT})")
-    samples: dict[str, dict[str, tuple[np.ndarray, np.ndarray, str]]] = {}
+    users = _user_files(root)
+    samples: dict[str, dict[str, tuple[np.ndarray, np.ndarray, str]]] = {user: {} for user in users}
     nbytes = 0
-    for split, files in (("train", train_files), ("test", test_files)):
-        for path in files:
+    for split in ("train", "test"):
+        for path in dict.fromkeys(files[split] for files in users.values()):
             doc = _read(path)
             for i in range(len(doc["users"])):
                 user, x, y = _user(doc, i, path, options.shape)
-                if split == "test" and user not in samples:
+                if not len(y):
                     raise DataError(
-                        f"{path}: test user {user!r} has no training data (LEAF's user split, -t user, gives test users of their own, "
-                        "which federated clients cannot hold); split by sample (-t sample)"
+                        f"{path} (user {user}): no {split} samples, but LEAF's sample split (-t sample) gives every user training "
+                        "and test samples; generate the split again, or remove the user from both files"
                     )
-                if split in samples.setdefault(user, {}):
-                    raise DataError(f"{path}: user {user!r} appears twice in the {split} files (also {samples[user][split][2]}); keep one")
                 samples[user][split] = (x, y, str(path))
                 nbytes += x.nbytes
                 check_memory(nbytes, options, f"the users of {root}")
@@ -158,13 +235,10 @@ def load_leaf(req: LoadRequest) -> FederatedDataset:
     for user, splits in samples.items():
         arrays = {}
         for split in ("train", "test"):
-            if split not in splits:
-                continue
             x, y, path = splits[split]
             y = y.astype(str) if ys_as is str else y
             arrays[split] = (x, label_indices(y, names, f"{path} (user {user})")[0])
-        x_train, y_train = arrays["train"]
-        x_test, y_test = arrays.get("test", (x_train[:0], y_train[:0]))
+        (x_train, y_train), (x_test, y_test) = arrays["train"], arrays["test"]
         parts.append(Part(user, x_train, y_train, x_test, y_test, names, f"{splits['train'][2]} (user {user})"))
     if options.classes is None and ys_as is None:  # integer labels keep their values: classes 0..max
         options = dataclasses.replace(options, classes=names)
@@ -185,5 +259,6 @@ DATASETS.add(
         recommended={"batch_size": 32, "rounds": 20, "local_epochs": 5},
         options=LeafOptions,
         needs_data_dir=True,
+        clients=leaf_clients,
     ),
 )

@@ -17,6 +17,12 @@ normalised by the ``ToTensor`` and ``Normalize`` of its generator; they are take
 and the channel statistics for ``Normalize`` are computed from them (close to mean 0 and std
 1 for PFLlib's own normalisation, so it changes little). Labels are ``0..num_classes-1``.
 
+The folder is checked whole before any sample is read: every client needs both files, and
+a missing or empty (0-byte) file of any client is a one-line error naming it, as is one that
+is unreadable or holds no samples when it is read. The clients are counted from the file
+names alone (:func:`pfllib_clients`), so that ``partition=natural`` and ``num_clients`` need
+not be given.
+
 A folder with one client's files (what a SuperNode holding its share reads) is a federated
 dataset of one client.
 """
@@ -38,7 +44,7 @@ from .base import FederatedDataset
 from .registry import DATASETS, DatasetSpec, LoadRequest
 from .user import CommonOptions, Part, assemble, check_memory, natural_key
 
-__all__ = ["PfllibOptions", "load_pfllib", "read_pfllib_file"]
+__all__ = ["PfllibOptions", "load_pfllib", "pfllib_clients", "read_pfllib_file"]
 
 LAYOUT = "PFLlib's layout: ROOT/config.json, ROOT/train/0.npz, ROOT/test/0.npz, ..."
 
@@ -99,12 +105,11 @@ def _config(root: Path) -> dict:
     return config
 
 
-def load_pfllib(req: LoadRequest) -> FederatedDataset:
-    """The PFLlib dataset at ``req.data_dir`` (see the module docstring)."""
-    options = req.options if isinstance(req.options, PfllibOptions) else PfllibOptions()
-    if req.data_dir is None:
-        raise ConfigError(f"dataset pfllib needs data_dir=DIR, a dataset folder PFLlib generated ({LAYOUT})")
-    root = Path(req.data_dir)
+def _client_files(root: Path, config: dict) -> list[tuple[str, Path, Path]]:
+    """Each client's ``(cid, training file, test file)`` in ``cid`` order, the folder
+    checked whole by file names and sizes alone: a one-line :class:`DataError` for a client
+    without both files, an empty (0-byte) file, or a ``config.json`` whose ``num_clients``
+    differs from the files' (one client's files excepted: a SuperNode's share)."""
     train_dir, test_dir = root / "train", root / "test"
     files = sorted(train_dir.glob("*.npz"), key=lambda p: natural_key(p.stem)) if train_dir.is_dir() else []
     if not files:
@@ -113,45 +118,75 @@ def load_pfllib(req: LoadRequest) -> FederatedDataset:
     strays = sorted({p.stem for p in test_dir.glob("*.npz")} - set(cids), key=natural_key) if test_dir.is_dir() else []
     if strays:
         raise DataError(f"{test_dir / (strays[0] + '.npz')} has no training file {train_dir / (strays[0] + '.npz')}; give every client both files")
-    config = _config(root)
     if "num_clients" in config and config["num_clients"] != len(cids) and len(cids) > 1:
         raise DataError(
             f"{root / 'config.json'} has num_clients={config['num_clients']} but {train_dir} holds {len(cids)} client files; "
             "copy all of them (or one client's, for a SuperNode)"
         )
+    clients = [(cid, path, test_dir / path.name) for cid, path in zip(cids, files)]
+    for cid, train, test in clients:
+        if not test.is_file():
+            raise DataError(
+                f"{test} is missing: client {cid} has training file {train} but no test file; PFLlib writes both for every "
+                "client, so copy it from the generated folder or generate the dataset again"
+            )
+        for path in (train, test):
+            if path.stat().st_size == 0:
+                raise DataError(f"{path} is empty (0 bytes), not a file of PFLlib's save_file; copy it again or generate the dataset again")
+    return clients
+
+
+def pfllib_clients(req: LoadRequest) -> list[str]:
+    """The clients of the PFLlib folder ``req.data_dir``, one per file pair, named by
+    their ``cid`` (the folder checked whole by file names, no file read but
+    ``config.json``)."""
+    if req.data_dir is None:
+        raise ConfigError(f"dataset pfllib needs data_dir=DIR, a dataset folder PFLlib generated ({LAYOUT})")
+    root = Path(req.data_dir)
+    return [cid for cid, _, _ in _client_files(root, _config(root))]
+
+
+def load_pfllib(req: LoadRequest) -> FederatedDataset:
+    """The PFLlib dataset at ``req.data_dir`` (see the module docstring)."""
+    options = req.options if isinstance(req.options, PfllibOptions) else PfllibOptions()
+    if req.data_dir is None:
+        raise ConfigError(f"dataset pfllib needs data_dir=DIR, a dataset folder PFLlib generated ({LAYOUT})")
+    root = Path(req.data_dir)
+    config = _config(root)
+    clients = _client_files(root, config)
     sizes = []
-    for path in [*files, *(test_dir / p.name for p in files)]:
+    for path in (path for _, train, test in clients for path in (train, test)):
         try:
             with zipfile.ZipFile(path) as zf:
                 sizes.append(sum(info.file_size for info in zf.infolist()))
-        except FileNotFoundError:
-            continue
         except (zipfile.BadZipFile, OSError) as exc:
             raise DataError(f"{path} is not a readable .npz file ({' '.join(str(exc).split())}); generate it again with PFLlib") from None
-    check_memory(sum(sizes), options, f"the {len(cids)} clients of {root}")
+    check_memory(sum(sizes), options, f"the {len(clients)} clients of {root}")
 
     num_classes = config.get("num_classes")
     names = [str(i) for i in range(num_classes)] if num_classes else None
     loaded = []
-    for cid, path in zip(cids, files):
+    for cid, train, test in clients:
         splits = {}
-        for split, file in (("train", path), ("test", test_dir / path.name)):
-            if not file.is_file():
-                continue
+        for split, file in (("train", train), ("test", test)):
             data = read_pfllib_file(file)
             x, y = data["x"], data["y"]
             if len(x) != len(y):
                 raise DataError(f"{file}: {len(x)} samples but {len(y)} labels; generate it again with PFLlib")
+            if not len(y):
+                raise DataError(
+                    f"{file} holds no samples, but PFLlib gives every client training and test samples (client {cid} would "
+                    "be trained or evaluated on nothing); copy the file again or generate the dataset again"
+                )
             labels, _ = label_indices(y, names, f"{file}: data['y']")
             splits[split] = (as_samples(x, f"{file}: data['x']", "nchw"), labels)
-        loaded.append((cid, path, splits))
+        loaded.append((cid, train, splits))
     if names is None:  # no config: classes 0..the largest label
-        top = max((int(y.max()) for _, _, s in loaded for _, y in s.values() if y.size), default=-1)
+        top = max(int(y.max()) for _, _, s in loaded for _, y in s.values())
         names = [str(i) for i in range(top + 1)]
     parts = []
     for cid, path, splits in loaded:
-        x_train, y_train = splits["train"]
-        x_test, y_test = splits.get("test", (x_train[:0], y_train[:0]))
+        (x_train, y_train), (x_test, y_test) = splits["train"], splits["test"]
         parts.append(Part(cid, x_train, y_train, x_test, y_test, names, str(path)))
     if options.classes is None:
         options = dataclasses.replace(options, classes=names)
@@ -171,5 +206,6 @@ DATASETS.add(
         recommended={"batch_size": 32, "rounds": 20, "local_epochs": 5},
         options=PfllibOptions,
         needs_data_dir=True,
+        clients=pfllib_clients,
     ),
 )

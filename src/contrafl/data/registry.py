@@ -53,6 +53,13 @@ class DatasetSpec:
         download: ``(data_dir: Path) -> Path`` fetching the official archive and verifying
             its checksum; ``None`` for bundled or generated datasets.
         needs_data_dir: whether ``data_dir`` must be given.
+        clients: ``LoadRequest -> names``: the clients the files at ``data_dir`` are split
+            into by their layout (one per PFLlib file pair, LEAF user or client folder), read
+            from file and folder names or a file's list of users without decoding a sample,
+            or ``None`` where these files are not split per client.
+            :func:`~contrafl.engine.setup.resolve` makes them the run's ``partition=natural``
+            and ``num_clients`` (``auto``) and refuses other values before any sample is read.
+            ``None`` (the field): the dataset's files never fix its clients.
     """
 
     name: str
@@ -65,6 +72,7 @@ class DatasetSpec:
     options: type = P.NoOptions
     download: Callable[[Path], Path] | None = None
     needs_data_dir: bool = True
+    clients: Callable[[LoadRequest], list[str] | None] | None = None
 
 
 DATASETS: Registry[DatasetSpec] = Registry("dataset", "contrafl.datasets", DatasetSpec)

@@ -22,7 +22,7 @@ import torch
 from .. import params as P
 from ..algorithms import ALGORITHMS, Algorithm
 from ..algorithms.base import Federation
-from ..config import Component, Config
+from ..config import DEFAULT_CLIENTS, DEFAULT_PARTITION, Component, Config
 from ..cores import cpu_cores
 from ..data import augment
 from ..data.base import ArrayDataset, FederatedDataset
@@ -150,7 +150,8 @@ def resolve(cfg: Config) -> Config:
     model_spec = lookup_model(spec.default_model if P.fold(cfg.model.name) == "auto" else cfg.model.name)
     head, backbone = split_options(model_spec, cfg.model.options)
     augment_name = augment.AUGMENTATIONS.canonical(resolve_augment(cfg.augment, spec, algo_cls))
-    partition = PARTITIONS.get(cfg.partition.name)
+    partition_name, num_clients = natural_split(cfg, fixed_clients(cfg, spec, dataset_options))
+    partition = PARTITIONS.get(partition_name)
     partition_options = P.build(partition.options, cfg.partition.options, "partition")
     if cfg.pool and cfg.test_fraction == 0:
         raise ConfigError(
@@ -206,6 +207,7 @@ def resolve(cfg: Config) -> Config:
         algorithm=Component(algo_cls.name, P.to_dict(algo_params)),
         dp=dp,
         data_dir=str(Path(cfg.data_dir).expanduser().resolve()) if cfg.data_dir else None,
+        num_clients=num_clients,
         rounds=cfg.rounds if cfg.rounds is not None else rec["rounds"],
         local_epochs=cfg.local_epochs if cfg.local_epochs is not None else rec["local_epochs"],
         batch_size=cfg.batch_size if cfg.batch_size is not None else rec["batch_size"],
@@ -231,6 +233,42 @@ def resolve(cfg: Config) -> Config:
     else:
         workers = cfg.workers or default_workers(cfg, executor)
     return dataclasses.replace(cfg, executor=executor, workers=workers, rank_executor=choose_rank_executor(cfg, executor, algo_cls, device))
+
+
+def fixed_clients(cfg: Config, spec: DatasetSpec, options: Any) -> list[str] | None:
+    """The clients the files at ``cfg.data_dir`` are split into (:attr:`DatasetSpec.clients`,
+    read without decoding a sample), or ``None``: a dataset whose files never fix its
+    clients, a layout that is not split per client, or ``node_data=own`` (the server holds
+    no files)."""
+    if spec.clients is None or cfg.node_data == "own":
+        return None
+    data_dir = check_data_dir(cfg)
+    return spec.clients(LoadRequest(data_dir=data_dir, options=options, seed=cfg.seed))
+
+
+def natural_split(cfg: Config, clients: list[str] | None) -> tuple[str, int]:
+    """``(partition, num_clients)`` of ``cfg``. For files split per client (``clients``,
+    :func:`fixed_clients`): ``natural`` and the number of clients, which ``partition`` and
+    ``num_clients``, when set, must be (a one-line :class:`ConfigError` naming both values,
+    before any sample is read); otherwise the settings, ``auto`` being
+    :data:`~contrafl.config.DEFAULT_PARTITION` and :data:`~contrafl.config.DEFAULT_CLIENTS`."""
+    name, given = cfg.partition.name, cfg.num_clients
+    if clients is None:
+        return (DEFAULT_PARTITION if P.fold(name) == "auto" else name), (DEFAULT_CLIENTS if given is None else given)
+    shown = ", ".join(clients[:5]) + (", ..." if len(clients) > 5 else "")
+    held = f"the files of data_dir={cfg.data_dir} are split into {count(len(clients), 'client')} ({shown})"
+    if P.fold(name) not in ("auto", "natural"):
+        raise ConfigError(f"partition={name}, but {held}, whose partition is natural; leave partition unset or set partition=natural")
+    if given is not None and given != len(clients):
+        raise ConfigError(f"num_clients={given}, but {held}; leave num_clients unset or set num_clients={len(clients)}")
+    return "natural", len(clients)
+
+
+def resolved_clients(cfg: Config) -> int:
+    """The number of clients :func:`resolve` gives ``cfg`` (:func:`natural_split`), for
+    checks made before it runs."""
+    spec = DATASETS.get(cfg.dataset.name)
+    return natural_split(cfg, fixed_clients(cfg, spec, P.build(spec.options, cfg.dataset.options, "dataset")))[1]
 
 
 def choose_rank_executor(cfg: Config, executor: str, algo_cls: type[Algorithm], device: torch.device) -> str:

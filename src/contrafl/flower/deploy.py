@@ -28,7 +28,7 @@ from ..config import Config
 from ..cores import cores_each, cpu_cores
 from ..engine.run_dir import RunDir, read_summary
 from ..engine.sampling import clients_per_round
-from ..engine.setup import prepare
+from ..engine.setup import prepare, resolved_clients
 from ..errors import ConfigError, ContraflError
 from ..files import write_atomic
 from .launch import DeploymentDied, FlowerLaunchError, LocalDeployment, RunResult, toml_document, toml_string
@@ -76,8 +76,9 @@ def check_settings(cfg: Config, round_timeout: float, min_replies: int, secure_a
             "dp.noise=reproducible derives the noise from config.yaml's seed, which the server and every SuperNode hold, "
             "so it protects nothing in a deployment; leave dp.noise unset (secret: each party draws it from its OS's CSPRNG)"
         )
-    if not 0 <= min_replies <= cfg.num_clients:
-        raise ConfigError(f"min_replies={min_replies} must be between 0 and num_clients={cfg.num_clients}")
+    num_clients = resolved_clients(cfg)
+    if not 0 <= min_replies <= num_clients:
+        raise ConfigError(f"min_replies={min_replies} must be between 0 and num_clients={num_clients}")
     if max_weight is not None and not secure_aggregation:
         raise ConfigError(f"--max-weight {max_weight} bounds the weights of secure sums; add --secure-aggregation, or leave it out")
     if max_weight is not None and max_weight < 1:
@@ -97,7 +98,7 @@ def check_settings(cfg: Config, round_timeout: float, min_replies: int, secure_a
         why = refusal(algo_cls, P.build(algo_cls.Params, cfg.algorithm.options, "algorithm"), cfg)
         if why is not None:
             raise ConfigError(f"secure aggregation shows the server only sums over the clients, but {why}; deploy without --secure-aggregation")
-        why = round_refusal(clients_per_round(cfg.num_clients, cfg.sample_fraction), min_replies)
+        why = round_refusal(clients_per_round(num_clients, cfg.sample_fraction), min_replies)
         if why is not None:
             raise ConfigError(f"secure aggregation (SecAgg+): {why}, or deploy without --secure-aggregation")
 
@@ -124,14 +125,15 @@ def check_node_data(cfg: Config, node_data: Sequence[str], required: bool) -> No
         if node_data:
             raise ConfigError("--node-data gives each SuperNode its own data, which needs node_data=own in the config; add node_data=own")
         return
+    num_clients = resolved_clients(cfg)
     if not node_data:
         if required:
             raise ConfigError(
-                f"node_data=own: each of the {cfg.num_clients} SuperNodes needs its own data; give --node-data PATH once per client, in client order"
+                f"node_data=own: each of the {num_clients} SuperNodes needs its own data; give --node-data PATH once per client, in client order"
             )
         return
-    if len(node_data) != cfg.num_clients:
-        raise ConfigError(f"--node-data is given {len(node_data)} times but num_clients={cfg.num_clients}; give one PATH per client, in client order")
+    if len(node_data) != num_clients:
+        raise ConfigError(f"--node-data is given {len(node_data)} times but num_clients={num_clients}; give one PATH per client, in client order")
     for k, where in enumerate(node_data if required else ()):  # --prepare-only: paths on the sites' machines
         if not Path(where).expanduser().exists():
             raise ConfigError(f"--node-data {where} (client {k}) does not exist; give the path of that client's data")
