@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch import nn
 from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
 
 from contrafl.algorithms import orchestra as orchestra_module
 from contrafl.algorithms.base import Federation, Reply, TrainResult
@@ -329,6 +330,86 @@ def test_global_clustering_steps_of_the_variants(monkeypatch, variant, steps, wa
     assert seen == [want]
 
 
+# -- the first memory ------------------------------------------------------------------------
+def _memory_ctx(n: int, net: FunctionalNet) -> SimpleNamespace:
+    """A round-0 client of ``n`` random images whose "augmentation" draws from the
+    generator, as the engine's does."""
+    x = torch.randn(n, 3, 6, 6, generator=torch.Generator().manual_seed(3))
+
+    def augmented_data(view, g):
+        return x + 0.1 * torch.randn(x.shape, generator=g), torch.zeros(n, dtype=torch.long)
+
+    return SimpleNamespace(round=0, cid=0, num_samples=n, net=net, augmented_data=augmented_data,
+                           generator=lambda *key: torch.Generator().manual_seed(7))
+
+
+def _code_reset_memory(model, target_state, x1, order, M, B, official):
+    """A transcription of ``reset_memory`` on ``nn.Module`` copies, the loader shuffled
+    by ``order``: FedU2's (fedorche/client.py:94-142, its loader without ``drop_last``,
+    train_fedorche.py:66) or the official one (models.py:546-573, its ``drop_last``
+    loader, utils.py:357). FedU2's saves and restores the online encoder's BatchNorm
+    entries, which it never runs (nothing to do here); the official one restores every
+    ``bn`` entry, the target's included. Returns the memory and the target's state."""
+    target = copy.deepcopy(model).train()
+    target.load_state_dict(target_state, strict=False)
+    reset = copy.deepcopy(target.state_dict())
+    loader = DataLoader(TensorDataset(x1), batch_size=B, sampler=order.tolist(), drop_last=official)
+    proj_bank, n_samples = [], 0
+    with torch.no_grad():
+        for (x,) in loader:
+            if n_samples >= M:
+                break
+            if not official and x.shape[0] == 1:
+                x = x.repeat(16, 1, 1, 1)
+            proj_bank.append(F.normalize(target(x).z, dim=1))
+            n_samples += x.shape[0]
+    proj_bank = torch.cat(proj_bank, dim=0)
+    if n_samples > M:
+        proj_bank = proj_bank[:M]
+    elif n_samples < M:
+        proj_bank = proj_bank.repeat(M // n_samples + 1, 1)[:M]
+    if official:
+        target.load_state_dict(reset)
+    return proj_bank, target.state_dict()
+
+
+@pytest.mark.parametrize("variant, n", [("fedu2", 40), ("official", 40), ("fedu2", 22), ("fedu2", 17), ("fedu2", 12)])
+def test_first_memory_forwards_whole_batches_as_the_code_does(variant, n):
+    """M = 20, B = 8: the memory is the first 20 rows of three whole batches of the
+    shuffled samples (n = 40), not of batches 8, 8, 4 (train-mode BatchNorm makes a
+    short batch's projections differ); the last batch is short only where the samples
+    end (n = 22: 8, 8, 6), a batch of one sample is repeated 16 times (n = 17) and
+    fewer rows than M are tiled (n = 12), as FedU2's code does. The target keeps the
+    statistics of these forwards with ``variant=fedu2`` (FedU2's code restores the
+    online encoder's) and not with ``official``; the broadcast model is untouched."""
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)  # a sample repeated 16 times has BatchNorm divide rounding by sqrt(eps)
+    try:
+        model = _model().double()
+        M, B = 20, 8
+        algo = Orchestra(OrchestraParams(memory=M, local_clusters=4, variant=variant), _federation(model, [n]))
+        sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        message = {"model": sd, "centroids": torch.zeros(7, 5), **({"target": target_part(sd)} if algo.official else {})}
+        ctx = _memory_ctx(n, FunctionalNet(model))
+        task = algo.client_begin(message, {}, ctx)
+
+        g = ctx.generator("orchestra-memory")
+        x1, _ = ctx.augmented_data(0, g)
+        order = torch.randperm(n, generator=g)
+        bank, target = _code_reset_memory(model, target_part(sd), x1, order, M, B, algo.official)
+    finally:
+        torch.set_default_dtype(default)
+    torch.testing.assert_close(task.params["memory"]["bank"], bank, rtol=0, atol=1e-10)
+    for k, v in task.buffers["target"].items():
+        torch.testing.assert_close(v, target[k], rtol=0, atol=1e-10)
+    tracked = task.buffers["target"]["features.1.num_batches_tracked"] - sd["features.1.num_batches_tracked"]
+    assert int(tracked) == (0 if algo.official else min(math.ceil(M / B), math.ceil(n / B)))
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in sd.items())
+    if n == 40:  # batches of 8, 8 and 4 of the first 20 rows: another memory
+        short = _code_reset_memory(model, target_part(sd), x1[order[:M]], torch.arange(M), M, B, False)[0]
+        assert (short - bank).abs().max() > 1e-2
+
+
 # -- rounds ------------------------------------------------------------------------------
 def tiny_cifar(folder, rows=24, test_rows=12):
     """A CIFAR-10 of random pixels in the official format (``allow_subset=true``)."""
@@ -358,6 +439,9 @@ def test_round_zero_only_clusters_and_later_rounds_train(tmp_path):
         assert state["memory"].shape == (8, 8)
         torch.testing.assert_close(state["memory"].norm(dim=1), torch.ones(8))
         memories.append(state["memory"].clone())
+        for k, v in state["target"].items():  # the fill's one batch (M = B = 8) updated the kept target's statistics
+            if k.endswith("num_batches_tracked"):
+                assert int(v - model0[k]) == 1
     row = sim.run_round(1)
     assert row["local_steps"] > 0 and math.isfinite(row["train_loss"])
     assert any(not torch.equal(v, model0[k]) for k, v in sim.server.model.items())

@@ -23,7 +23,11 @@ code unless named):
   without ``drop_last`` (``fedorche/server.py:55``, ``train_fedorche.py:66``),
   ``ceil(n_k / B)``;
 - global clustering takes 500 SGD steps (``models.py:624``); FedU2's 50
-  (``fedorche/server.py:98``).
+  (``fedorche/server.py:98``);
+- the round-0 memory fill restores the target's BatchNorm statistics (``models.py:551,
+  573``); FedU2's restores the online encoder's, which it never runs, so the target keeps
+  the fill's (``fedorche/client.py:112-114, 142``). Nothing reads them: the target runs
+  in train mode only.
 """
 
 from __future__ import annotations
@@ -114,15 +118,17 @@ class Orchestra(SelfSupervised):
     and fits ``C`` to the union of the local centroids (:func:`global_clustering`, 50
     steps).
     Round 0 only clusters: every client fills its memory with the target projections of
-    ``T1`` views of its first ``M`` samples (repeated if it has fewer) and sends its
-    local centroids; the server runs global clustering and keeps the model.
+    ``T1`` views of the first ``ceil(M / B)`` shuffled batches of its samples, cut to ``M``
+    rows (tiled if it has fewer; :meth:`fill_memory`) and sends its local centroids; the
+    server runs global clustering and keeps the model.
 
     ``variant=official`` (the module's docstring gives the lines): the server keeps the
     target network beside the model (a copy of the initial model), sends it, and
     averages the returned targets with the same weights, so the client keeps only its
     memory; the loss first runs the online network on ``x1`` in train mode (the output
     unused, its BatchNorm statistics updated; no gradient); weights ``floor(n_k / B)``;
-    500 steps of global clustering. ``weighting`` and ``global_steps`` override the
+    500 steps of global clustering; the memory fill leaves the target's BatchNorm
+    statistics as they were. ``weighting`` and ``global_steps`` override the
     variant's.
     """
 
@@ -226,7 +232,10 @@ class Orchestra(SelfSupervised):
         else:  # kept on the client (fedorche/client.py:55-56)
             target = state.get("target") or target_part(message["model"])
         t_params, t_buffers = self.federation.split({**message["model"], **target})
-        memory = state["memory"] if "memory" in state else self.fill_memory(t_params, t_buffers, ctx)
+        if "memory" in state:
+            memory = state["memory"]
+        else:
+            memory, t_buffers = self.fill_memory(t_params, t_buffers, ctx)
         return LocalTask(
             params={"model": params, "target": t_params, "memory": {"bank": memory.clone()}},
             buffers={"model": buffers, "target": t_buffers},
@@ -234,19 +243,52 @@ class Orchestra(SelfSupervised):
             epochs=(0,) if ctx.round == 0 else None,
         )
 
-    def fill_memory(self, t_params: StateDict, t_buffers: StateDict, ctx: ClientContext) -> torch.Tensor:
-        """The first memory: normalised target projections (train-mode forwards in
-        batches of ``B``, the target's statistics left unchanged) of ``T1`` views of the
-        client's first ``M`` samples in a random order, repeated to ``M`` rows when the
-        client has fewer."""
+    def fill_memory(
+        self, t_params: StateDict, t_buffers: StateDict, ctx: ClientContext
+    ) -> tuple[torch.Tensor, StateDict]:
+        """The first memory and the target's buffers after it. The client's samples are
+        shuffled (one permutation, a shuffled loader's first epoch) and cut into batches
+        of ``B``; batch after batch, until at least ``M`` rows are collected, the target
+        runs in train mode on the batch's ``T1`` views, a batch of one sample repeated 16
+        times; the memory is the first ``M`` normalised projections, tiled when there
+        are fewer::
+
+            Mem = first M rows of [z_1; z_2; ...; z_b] repeated,  b = min(ceil(M / B), ceil(n / B))
+
+        FedU2's ``reset_memory`` (``fedorche/client.py:117-136``, the 16 copies l.122-123)
+        and the official one (``models.py:554-567``) on their shuffled loaders
+        (``train_fedorche.py:66``; the official ``utils.py:357``): whole batches of ``B``
+        cut to ``M`` rows, the last batch short only when the client's samples end
+        there (``n < ceil(M / B) B``). There the official code, whose loader drops the
+        short batch, fails (a memory of fewer than ``M`` rows does not fit its
+        ``copy_``, l.570); the rule above is FedU2's, whose loader keeps it.
+
+        BatchNorm statistics: with ``variant=fedu2`` the target keeps the statistics
+        its forwards updated: FedU2's code saves and restores the *online* encoder's
+        (``fedorche/client.py:112-114, 142``), which the fill never runs. With
+        ``variant=official`` they are restored: the code saves and restores every
+        ``bn`` entry of the model, the target's included (``models.py:551, 573``).
+        The forwards run on a copy of ``t_buffers`` (which may be the broadcast
+        model's)."""
         M, B = self.params.memory, self.federation.batch_size
         g = ctx.generator("orchestra-memory")
         x, _ = ctx.augmented_data(0, g)
-        rows = torch.randperm(len(x), generator=g)[:M].to(x.device)
-        state = {**t_params, **{k: v.clone() for k, v in t_buffers.items()}}
+        order = torch.randperm(len(x), generator=g).to(x.device)
+        buffers = {k: v.clone() for k, v in t_buffers.items()}
+        state = {**t_params, **buffers}
+        z: list[torch.Tensor] = []
+        rows = 0
         with torch.no_grad():
-            z = torch.cat([F.normalize(ctx.net(state, x[rows[i : i + B]], train=True).z, dim=1) for i in range(0, len(rows), B)])
-        return z.repeat(math.ceil(M / len(z)), 1)[:M]
+            for i in range(0, len(order), B):
+                if rows >= M:
+                    break
+                xb = x[order[i : i + B]]
+                if len(xb) == 1:
+                    xb = xb.repeat_interleave(16, dim=0)
+                z.append(F.normalize(ctx.net(state, xb, train=True).z, dim=1))
+                rows += len(xb)
+        bank = torch.cat(z)
+        return bank.repeat(math.ceil(M / len(bank)), 1)[:M], t_buffers if self.official else buffers
 
     def stages(self, round: int) -> list[Stage]:
         return [
