@@ -209,8 +209,8 @@ def test_report_shows_status_names_and_suite_directories(tmp_path, capsys):
     assert lines[4].split()[1] == "interrupted" and lines[1].split()[1] == "completed"
     assert main(["report", str(tmp_path / "c"), "--markdown"]) == 0
     out = capsys.readouterr().out
-    assert "| method | accuracy (ours) | seeds | per seed | mean of last 2 rounds |" in out  # 2-round runs (#35)
-    assert "| moon |" in out and "| 0 |" in out  # the interrupted seed is left out of the table
+    assert "| configuration | seeds | final (%) [95% CI] |" in out  # compare's tables: one per metric family (#54)
+    assert "| moon | 0 |" in out and "| fedavg | 0, 1 |" in out  # the interrupted seed is left out of the table
     assert f"regenerate with `contrafl report {tmp_path / 'c'} --markdown`" in out
     assert main(["report", str(tmp_path / "nothing")]) == 2
 

@@ -187,6 +187,6 @@ def test_fedu2_uses_the_chosen_uot_solver_and_its_default_iterations():
         pi = plan(cost, mass, mass, 0.8, 0.8, iterations)
         expected = (cost * pi).sum() + 0.4 * (pi.sum(1) - mass).square().sum() + 0.4 * (pi.sum(0) - mass).square().sum()
         value = _algo(uot_solver=solver).uniformity(z, batch, 1)
-        assert value.item() == pytest.approx(expected.item(), rel=1e-6)
+        assert value.item() == pytest.approx(expected.item() / (4 * 2.0), rel=1e-6)  # uot_scale=mass: per unit of mass
     shorter = _algo(uot_solver="steepest_descent", uot_iterations=3).uniformity(z, batch, 1)
     assert shorter.item() != pytest.approx(value.item(), rel=1e-6)

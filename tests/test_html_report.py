@@ -14,7 +14,6 @@ import pytest
 from conftest import check_screenshot, chromium_screenshot
 from contrafl.cli import main
 from contrafl.experiments.report import read_run, worst_fraction
-from contrafl.metrics.history import mean_std
 
 SMALL = ["num_clients=3", "local_epochs=1", "--quiet"]
 
@@ -48,9 +47,15 @@ def _cells(page: str, label: str) -> list[str]:
     return re.findall(r"<td[^>]*>(.*?)</td>", row.group(1))
 
 
-def _pct(values) -> str:
-    mean, std = mean_std(list(values))
-    return f"{100 * mean:.2f} ± {100 * std:.2f}" if len(values) > 1 else f"{100 * mean:.2f}"
+def _interval(values) -> str:
+    """The cell of a mean and its 95% bootstrap interval, computed here with scipy."""
+    from scipy.stats import bootstrap
+
+    values = np.asarray(values, dtype=float)
+    if len(values) == 1:
+        return f"{100 * values[0]:.2f} (n=1: interval unknown)"
+    ci = bootstrap((values,), np.mean, n_resamples=9999, method="BCa", rng=np.random.default_rng(0)).confidence_interval
+    return f"{100 * values.mean():.2f} [{100 * ci.low:.2f}, {100 * ci.high:.2f}]"
 
 
 def test_the_page_holds_the_numbers_of_the_run_directories(runs, tmp_path, capsys):
@@ -63,26 +68,32 @@ def test_the_page_holds_the_numbers_of_the_run_directories(runs, tmp_path, capsy
     assert sources and all(s.startswith("data:image/png;base64,") for s in sources)
     assert f"contrafl report {runs} --html {out}" in page
 
-    # global model: mean ± std over the completed seeds; the failed run is counted, not averaged
+    # global model: the mean over the completed seeds with its bootstrap interval (scipy's,
+    # over seeds); the failed run is counted, not averaged
     finals = [read_run(runs / n)[1][-1]["test_acc"] for n in ("avg-s0", "avg-s1")]
     cells = _cells(page, "fedavg")
-    assert cells[0] == _pct(finals) and cells[2] == "0, 1" and cells[-1] == "2 completed, 1 failed"
+    assert cells[0] == "0, 1" and cells[1] == _interval(finals) and cells[-1] == "2 completed, 1 failed"
 
-    # personalised: the final and best client accuracy, the std over clients, the best round
+    # personalised: the final and best client accuracy (one seed: no interval), the std
+    # over clients, and the interval of the mean over clients
     rows = [r for r in read_run(runs / "crl")[1] if "personal_acc" in r]
     best = max(rows, key=lambda r: r["personal_acc"])
     cells = _cells(page, "fedcrl")
     assert cells[:5] == [
-        _pct([rows[-1]["personal_acc"]]),
+        "0",
+        _interval([rows[-1]["personal_acc"]]),
+        _interval([best["personal_acc"]]),
         f"{100 * rows[-1]['personal_acc_std']:.2f}",
-        _pct([best["personal_acc"]]),
-        f"{100 * best['personal_acc_std']:.2f}",
-        str(best["round"]),
+        _interval(rows[-1]["client_acc"]),
     ]
     # self-supervised: the kNN accuracy
     knn = read_run(runs / "byol")[1][-1]["knn_acc"]
-    assert _cells(page, "fedbyol")[:2] == [_pct([knn]), _pct([knn])]
+    assert _cells(page, "fedbyol")[:3] == ["0", _interval([knn]), _interval([knn])]
     assert "Self-supervised encoders: kNN accuracy" in page
+    # every metric in a table of its own: no table holds two families' configurations
+    titles = re.findall(r'<p class="caption">([^<]*?): mean over seeds', page)
+    assert titles[:3] == ["Global model: test accuracy", "Personalised models: sample-weighted client accuracy",
+                          "Self-supervised encoders: kNN accuracy of the global encoder"]
 
     # clients: the per-client figure and the fairness row of FedCRL
     accs = rows[-1]["client_acc"]
@@ -215,7 +226,8 @@ def test_figures_keep_their_labels_inside(mixed):
     it, one per seed, "client" on its axis, every count readable."""
     import warnings
 
-    from contrafl.experiments.html import METRICS, clients_plot, curves_plot, group_runs, partition_plots
+    from contrafl.experiments.html import clients_plot, curves_plot, group_runs, partition_plots
+    from contrafl.experiments.report import METRICS
     from contrafl.experiments.plots import DPI, PAGE_WIDTH
 
     with warnings.catch_warnings():
@@ -265,7 +277,8 @@ def test_long_labels_and_many_configurations_fit(tmp_path, count):
     plot's tick labels do not overlap or leave the figure."""
     import warnings
 
-    from contrafl.experiments.html import METRICS, clients_plot, curves_plot
+    from contrafl.experiments.html import clients_plot, curves_plot
+    from contrafl.experiments.report import METRICS
 
     groups = []
     for i in range(count):

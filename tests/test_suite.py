@@ -43,7 +43,7 @@ def _tiny_suite():
 def test_run_suite_tables_and_resumes(tmp_path):
     log = []
     results = run_suite(_tiny_suite(), tmp_path, log=log.append)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["FedAvg", "MOON", "curves.png", "results.json", "results.md", "suite.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["FedAvg", "MOON", "curves-test_acc.png", "results.json", "results.md", "suite.json"]
     finals = []
     for seed in (0, 1):
         rows = [json.loads(x) for x in (tmp_path / "MOON" / f"seed{seed}" / "metrics.jsonl").read_text().splitlines()]
@@ -54,7 +54,7 @@ def test_run_suite_tables_and_resumes(tmp_path):
     assert results["target"] == results["methods"]["FedAvg"]["test_acc_mean"]
     table = (tmp_path / "results.md").read_text()
     assert f"| MOON | {100 * mean:.2f} ± {100 * std:.2f} | 2 | 2.0 |" in table
-    assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"
+    assert (tmp_path / "curves-test_acc.png").read_bytes()[:4] == b"\x89PNG"
     # a second call finds every run finished and only re-tabulates
     log.clear()
     again = run_suite(_tiny_suite(), tmp_path, log=log.append)
@@ -89,20 +89,21 @@ def test_solo_is_reported_over_clients():
 
 def test_compare_command(tmp_path, capsys):
     """compare names a method as `contrafl report` labels it (moon.mu=5: "moon mu=5"); a
-    single seed's accuracy has no "± 0.00"; the detailed table averages the rounds the
-    runs have (2 here, not 5)."""
+    single seed's accuracy has no interval; results.json's mean of the last rounds covers
+    the rounds the runs have (2 here, not 5)."""
     assert main(["compare", "fedavg", "moon", "moon.mu=5", "rounds=2", "local_epochs=1", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "| fedavg |" in out and "| moon mu=5 |" in out and "| moon |" not in out and "rounds to" in out
+    assert "| fedavg |" in out and "| moon mu=5 |" in out and "| moon |" not in out and "rounds to target" in out
     assert "± 0.00" not in out and "±" not in out  # one seed: its accuracy alone
     results = json.loads((tmp_path / "results.json").read_text())
     acc = results["methods"]["moon mu=5"]["test_acc"][0]
-    assert f"| moon mu=5 | {100 * acc:.2f} | 1 |" in out
+    assert f"| moon mu=5 | 0 | {100 * acc:.2f} (n=1: interval unknown) |" in out
     cfg = (tmp_path / "moon-mu-5" / "seed0" / "config.yaml").read_text()
     assert "mu: 5.0" in cfg
     assert main(["report", str(tmp_path), "--markdown"]) == 0
-    table = capsys.readouterr().out
-    assert "| mean of last 2 rounds |" in table and "last 5" not in table
+    table = capsys.readouterr().out  # compare's tables by metric family, as it printed them
+    assert "**Global model: test accuracy" in table and f"| moon mu=5 | 0 | {100 * acc:.2f} (n=1: interval unknown) |" in table
+    assert "accuracy (ours)" not in table
     assert results["methods"]["fedavg"]["test_acc_last_rounds"] == 2
     # the report labels the runs as compare named them
     assert main(["report", str(tmp_path)]) == 0

@@ -330,6 +330,7 @@ def cmd_deploy(ns: argparse.Namespace) -> int:
     except ImportError as exc:
         raise ContraflError(str(exc)) from None
     from .engine.run_dir import default_run_dir, read_summary
+    from .engine.setup import resolved_clients
 
     if ns.server_host and not ns.prepare_only:
         raise ConfigError("--server-host is for --prepare-only (a deployment of your own); contrafl deploy's own SuperLink is 127.0.0.1")
@@ -363,7 +364,7 @@ def cmd_deploy(ns: argparse.Namespace) -> int:
         tls, auth = deploy_security(ns)
         secure = bool(ns.secure_aggregation)
         settings = Settings(
-            tls=tls, auth=auth, secure_aggregation=secure, min_replies=min(3, cfg.num_clients) if secure else 1,
+            tls=tls, auth=auth, secure_aggregation=secure, min_replies=min(3, resolved_clients(cfg)) if secure else 1,
             wait_nodes=Settings.wait_nodes if ns.prepare_only else LOCAL_WAIT_NODES_S, node_data=tuple(ns.node_data or ()),
         ).overridden(path, given, weaker_allowed=False)
     check_settings(cfg, settings.round_timeout, settings.min_replies, settings.secure_aggregation, settings.max_weight)
@@ -588,7 +589,7 @@ def cmd_experiment(ns: argparse.Namespace) -> int:
         suite.seeds = _seeds(ns.seeds)
     out = check_output(Path(ns.out) if ns.out else Path("runs") / "experiments" / Path(ns.file).stem, "--out")
     methods = ns.methods.split(",") if ns.methods else None
-    return _run_suite(suite, out, ns.overrides, methods, f"results: {out / 'results.md'}, curves: {out / 'curves.png'}")
+    return _run_suite(suite, out, ns.overrides, methods, f"results: {out / 'results.md'}")
 
 
 def cmd_compare(ns: argparse.Namespace) -> int:
@@ -614,9 +615,10 @@ def cmd_compare(ns: argparse.Namespace) -> int:
         methods={labels[a]: m for a, m in methods.items()},
         seeds=_seeds(ns.seeds),
         target={"from": labels[algorithms[0]]},
+        families_only=True,
     )
     out = check_output(Path(ns.out) if ns.out else Path("runs") / ("compare-" + "-".join(algorithms)), "--out")
-    done = f"rounds to {labels[algorithms[0]]}'s final accuracy in the last column; runs and curves in {out}"
+    done = f"baseline: {labels[algorithms[0]]} (the first algorithm); tables: {out / 'results.md'}; runs in {out}"
     return _run_suite(suite, out, overrides, None, done)
 
 
@@ -649,9 +651,11 @@ def cmd_sweep(ns: argparse.Namespace) -> int:
 
 
 def _run_suite(suite, out: Path, overrides: list[str], methods: list[str] | None, done: str) -> int:
-    """Run a suite with progress; its table, or one line when it is interrupted."""
+    """Run a suite with progress; its tables (the suite's own layout, unless it is
+    tabulated by family only, then one per metric family) and figures, or one line when
+    it is interrupted."""
     from .engine.signals import exit_code, signal_name
-    from .experiments.suite import format_table, run_suite
+    from .experiments.suite import format_table, run_suite, statistics
 
     try:
         results = run_suite(suite, out, overrides, methods, progress=sys.stdout)
@@ -663,7 +667,10 @@ def _run_suite(suite, out: Path, overrides: list[str], methods: list[str] | None
             file=sys.stderr,
         )
         return exit_code(exc)
-    print(format_table(suite, results))
+    if not suite.families_only:
+        print(format_table(suite, results) + "\n")
+    print(statistics(out, suite))
+    print(f"figures, one metric each: {', '.join(results['figures']) or 'none (no evaluated run)'}")
     print(done)
     if results["failed"]:
         print(f"contrafl: {len(results['failed'])} runs failed: {', '.join(results['failed'])} (see above)", file=sys.stderr)

@@ -317,6 +317,8 @@ class Algorithm:
             self-supervised algorithms are evaluated by their representations (kNN).
         personalized: clients keep personal models worth evaluating.
         default_server_momentum: server momentum when ``server_momentum=auto``.
+        min_batch_size: the smallest batch ``batch_size=auto`` gives it (the larger of
+            this and the dataset's recommendation); 0: the dataset's recommendation.
         views: number of augmented views of each sample the loss needs.
         samples_clients: the round trains the clients sampled by ``sample_fraction``;
             False trains every client every round (SOLO, which communicates nothing).
@@ -334,6 +336,7 @@ class Algorithm:
     supervised: ClassVar[bool] = True
     personalized: ClassVar[bool] = False
     default_server_momentum: ClassVar[float] = 0.0
+    min_batch_size: ClassVar[int] = 0
     views: ClassVar[int] = 1
     samples_clients: ClassVar[bool] = True
     partial_work: ClassVar[bool] = False

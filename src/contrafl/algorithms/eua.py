@@ -44,6 +44,8 @@ DirectionKind = Literal["log_distance", "normalized"]
 
 EUAVariant = Literal["paper", "paper_closed_form", "official"]
 
+EUAStep = Literal["fixed", "convex"]
+
 Vector = torch.Tensor | Sequence[torch.Tensor]
 """A parameter vector: flat, or the tensors whose flattened concatenation it is."""
 
@@ -332,6 +334,7 @@ def eua_direction(
     rho: float = 1.0,
     iterations: int = 100,
     init: torch.Tensor | None = None,
+    step: EUAStep = "fixed",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """EUA's update direction ``[P]`` and client weights ``[K]`` (float64).
 
@@ -343,6 +346,11 @@ def eua_direction(
       :func:`simplex_weights_min_norm` from ``init`` (default uniform; official: the
       :func:`sharpen`-ed sample-size weights), renormalised over the non-degenerate clients,
       ``d = sum_k p_k d_k``.
+
+    Every direction is ``d = sum_k a_k delta_k`` with ``a_k >= 0``. ``step="fixed"`` returns it
+    as it is; ``step="convex"`` returns ``sum_k (a_k / sum_j a_j) delta_k``, the same direction
+    scaled so that ``theta_g - d`` is the convex combination ``sum_k q_k theta_k``,
+    ``q_k = a_k / sum_j a_j``, of the clients' models.
 
     The caller moves the global model by ``theta_g - lr * d``. Degenerate clients (zero distance)
     are left out with weight 0 (module docstring). Memory: the deltas of :data:`CHUNK`
@@ -365,4 +373,5 @@ def eua_direction(
         start = torch.ones_like(weights) if init is None else init.to(weights)
         weights[active] = simplex_weights_min_norm(Ga, start[active] / start[active].sum())
         scale = 1.0
-    return combine(global_vec, client_vecs, scale * weights * c), weights
+    a = scale * weights * c
+    return combine(global_vec, client_vecs, a / a.sum() if step == "convex" else a), weights

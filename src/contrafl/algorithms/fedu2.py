@@ -29,11 +29,13 @@ class FedU2Params(SSLParams):
     tau_a: float = P.param(0.8, P.Interval(0, None, "neither"), "UOT penalty on the representations' marginal")
     tau_b: float = P.param(0.8, P.Interval(0, None, "neither"), "UOT penalty on the samples' marginal")
     point_mass: float | None = P.param(2.0, P.Interval(0, None, "neither"), "UOT marginals: mass of every point ([infer]; none = 1/B, which leaves the plan at zero, see docs)")
+    uot_scale: str = P.param("mass", P.OneOf(("mass", "sum")), "UOT: l_u divided by the marginals' total mass (B point_mass): the paper's probability marginals with penalties tau B point_mass, a mean over the batch like l_a ([infer], docs/algorithms.md); sum = undivided (B point_mass times larger)")
     uot_solver: str = P.param("interior_point", P.OneOf(UOT_SOLVERS), "UOT plan: an interior-point method to convergence, or the paper's projected steepest descent (eq. 6) for uot_iterations steps")
     uot_iterations: int | None = P.param(None, P.Interval(1, None), f"iterations of the UOT solver (none: {UOT_ITERATIONS['interior_point']} for interior_point, a cap; {UOT_ITERATIONS['steepest_descent']} for steepest_descent)")
     projections: int = P.param(6, P.Interval(1, None), "tangent_sw: random projections per tangent point")
     aggregation: str = P.param("eua", P.OneOf(("eua", "fedavg")), "server: EUA, or weighted averaging (the -EUA ablation)")
     eua: str = P.param("paper", P.OneOf(("paper", "paper_closed_form", "official")), "EUA: log-distance directions with the exact simplex weights of eq. 10 (paper), the same with the paper's printed closed-form ADMM step (not the minimiser on boundary optima), or unit directions + MGDA min-norm (code)")
+    step: str = P.param("convex", P.OneOf(("convex", "fixed")), "server step along d*: convex = the length that lands the model on the clients' convex hull (theta_g <- sum_k q_k theta_k, q_k proportional to p_k g_k's scale; [infer], docs/algorithms.md), fixed = eta d* (the literal eq.; code: eua=official eta=8)")
     eta: float = P.param(1.0, P.Interval(0, None, "neither"), "server step: theta_g <- theta_g - eta d* ([infer]; code: 8 with eua=official)")
     eta_g: float = P.param(1.0, P.Interval(0, None, "neither"), "eta_g of the dual problem (d* = eta_g / phi sum p_k g_k)")
     phi: float = P.param(0.1, P.Interval(0, None, "neither"), "phi of the dual problem")
@@ -55,6 +57,7 @@ class FedU2(SelfSupervised):
     Gaussian samples ``S``, ``pi*`` the optimal unbalanced plan (an interior-point method to
     convergence; ``uot_solver=steepest_descent``: the paper's eq. 6 for ``uot_iterations``
     steps), held fixed: the gradient flows through ``C(Z)`` (the envelope theorem);
+    ``uot_scale=mass`` divides it by the marginals' total mass ``B point_mass``;
     ``uniformity=tangent_sw`` is the official code's sliced Wasserstein-2 distance in the
     tangent spaces of the sphere at random points.
 
@@ -62,10 +65,14 @@ class FedU2(SelfSupervised):
     the returned ones (all parameters, BYOL's target included),
     ``g_k = grad log ||theta_g - theta_k||^2``; ``p = argmin_{p in simplex} p^T G p``
     with ``G_kl = g_k . g_l`` (exact; ``eua=paper_closed_form``: the paper's printed ADMM
-    step); ``theta_g <- theta_g - eta (eta_g / phi) sum_k p_k g_k``. ``eua=official``:
+    step); ``d* = (eta_g / phi) sum_k p_k g_k``. ``eua=official``:
     ``d_k = 2 (theta_g - theta_k) / ||theta_g - theta_k||``, MGDA's min-norm solver started
-    at the aggregation weights, ``theta_g <- theta_g - eta sum_k p_k d_k``. BatchNorm statistics are the weighted average of the clients'. The
-    weights ``p`` are kept in ``extras["eua_weights"]`` by client.
+    at the aggregation weights, ``d* = sum_k p_k d_k``. Either is ``sum_k a_k (theta_g -
+    theta_k)``, ``a_k >= 0``; ``step=convex`` moves the model along it to the clients'
+    convex hull, ``theta_g <- theta_g - eta sum_k (a_k / sum_j a_j) (theta_g - theta_k)``,
+    ``step=fixed`` by ``theta_g <- theta_g - eta d*``. BatchNorm statistics are the
+    weighted average of the clients'. The weights ``p`` are kept in
+    ``extras["eua_weights"]`` by client.
 
     With ``rotation > 0`` (the code's ``use_deg``, set by its ``main.py:54``) the rotation
     loss trains the encoder and projector; ``rotation_head=fedu2`` (default) does what
@@ -76,6 +83,11 @@ class FedU2(SelfSupervised):
     """
 
     name = "fedu2"
+    min_batch_size = 64
+    """FUR compares a batch with as many fresh samples of the sphere; below 64 they are noise
+    that pulls the two views apart (digits at 16: BYOL's alignment loss 0.08 -> 2.07 in 20
+    rounds, docs/algorithms.md). The paper's 128 would leave the smallest clients of the
+    default splits (digits, the CIFAR subset) without a step."""
     summary = "FedU2: SSL + flexible uniformity regularizer (FUR); enhanced uniform aggregation (EUA)"
     paper = "Liao, Gao, Ren, Liu, Sun, Wang, Rethinking the Representation in Federated Unsupervised Learning with Non-IID Data, CVPR 2024"
     Params = FedU2Params
@@ -102,7 +114,9 @@ class FedU2(SelfSupervised):
         p, noise = self.params, batch.noise
         samples = F.normalize(noise[f"samples{view}"], dim=-1)
         if p.uniformity == "uot":
-            return uot_uniformity(z, samples, p.tau_a, p.tau_b, p.uot_iterations, p.point_mass, p.uot_solver)
+            value = uot_uniformity(z, samples, p.tau_a, p.tau_b, p.uot_iterations, p.point_mass, p.uot_solver)
+            mass = 1.0 if p.point_mass is None else z.shape[-2] * p.point_mass
+            return value / mass if p.uot_scale == "mass" else value
         if self.method_of(p) == "simclr":  # the code feeds SimCLR's normalised projections
             z = F.normalize(z, dim=-1)
         tangent = F.normalize(noise[f"tangent{view}"], dim=-1)
@@ -130,7 +144,7 @@ class FedU2(SelfSupervised):
             [sent[part][k] for part, k in keys],
             [[r.payload[part][k] for part, k in keys] for r in replies],
             p.eua, eta_g=p.eta_g, phi=p.phi, rho=p.rho,
-            iterations=p.admm_iterations, init=torch.tensor(weights, dtype=torch.float64),
+            iterations=p.admm_iterations, init=torch.tensor(weights, dtype=torch.float64), step=p.step,
         )
         offset = 0
         for part, k in keys:  # theta_g - eta d, tensor by tensor

@@ -8,7 +8,9 @@ keeps it as ``estimated_time_s``):
 * local training: every sampled client's local steps in every round (its plan's
   batches: its samples, the phases' epochs and batch sizes, ``drop_last``) at the
   measured time of a step. Sequential executor: one client's steps, as many as take
-  about :data:`MEASURE_SECONDS` (one, when a step takes :data:`SLOW_STEP_S` or more).
+  about :data:`MEASURE_SECONDS` (one, when a step takes :data:`SLOW_STEP_S` or more:
+  a step after the first, whose warm-up can take a second where a step takes a
+  hundredth).
   Parallel executor: the same with a worker's threads, each round's clients shared
   among the workers as
   :func:`~contrafl.engine.parallel.balance` shares them, plus the executor's start
@@ -58,7 +60,7 @@ CALIBRATION_STEPS = 5  # the fewest steps timed
 MEASURE_SECONDS = 0.3  # of timed training per measurement (at most MAX_STEPS steps): well above the jitter of a busy machine
 MAX_STEPS = 50
 SHORT_RUN_S = 30.0  # contrafl run prints no estimate for a run that one timed step puts below this
-SLOW_STEP_S = 1.0  # a step this slow (a heavy model on a CPU) is timed once: the calibration takes a few steps' time
+SLOW_STEP_S = 1.0  # a step this slow after the first (a heavy model on a CPU) is timed once: the calibration takes a few steps' time
 REPEATS = 2  # timings of the same steps, the least kept
 EVAL_SAMPLES = 256  # the most samples of the evaluation batch timed
 T = TypeVar("T")
@@ -124,6 +126,7 @@ class Calibration:
         self.cids = sorted(sim.schedule[self.t], key=lambda c: -sim.planned_steps(c, self.phases))
         self.train = SequentialExecutor(self.executor.workload).train
         self._first: dict[int, float] = {}  # torch threads -> seconds of the first step
+        self._warm: dict[int, float] = {}  # torch threads -> seconds of a step after it
 
     def job(self, cid: int, budget: int) -> Job:
         """Client ``cid``'s job cut to ``budget`` steps, its optimiser state a copy."""
@@ -167,16 +170,37 @@ class Calibration:
             self._first[threads] = self.seconds(self.train, [self.job(self.cids[0], 1)])
         return self._first[threads]
 
+    def warm_step(self) -> float:
+        """Seconds of a local step without the first's warm-up: where the first takes
+        :data:`SLOW_STEP_S` or more, the same step timed again (the first step's warm-up
+        can take that long alone, a process's first kernels, where a step takes a
+        hundredth); else the first (an upper bound). Timed once per thread count."""
+        threads = torch.get_num_threads()
+        if threads not in self._warm:
+            first = self.first_step()
+            self._warm[threads] = self.seconds(self.train, [self.job(self.cids[0], 1)]) if first >= SLOW_STEP_S else first
+        return self._warm[threads]
+
+    def slow(self) -> bool:
+        """Whether a step takes :data:`SLOW_STEP_S` or more after the first
+        (:meth:`warm_step`): its warm-up is small beside it, and that one step is the
+        measurement."""
+        return self.warm_step() >= SLOW_STEP_S
+
     def client_step(self) -> tuple[float, int]:
         """Seconds of a local step of the round's client with the most steps, trained
         in this process (a warm-up step, then :meth:`budget_for` steps, :data:`REPEATS`
-        times; the first step alone when it takes :data:`SLOW_STEP_S` or more), and the
-        steps trained."""
-        first = self.first_step()
-        if first >= SLOW_STEP_S:  # its warm-up is small beside it: this one step is the measurement
-            return first, 1
-        job = self.job(self.cids[0], self.budget_for(first))
-        return self.seconds(self.train, [job], repeats=REPEATS) / steps_of(job), REPEATS * steps_of(job) + 1
+        times; a slow step once after the first: :meth:`slow`), and the steps trained."""
+        step = self.warm_step()
+        if self.slow():
+            return step, self.warm_up_steps()
+        job = self.job(self.cids[0], self.budget_for(step))
+        return self.seconds(self.train, [job], repeats=REPEATS) / steps_of(job), REPEATS * steps_of(job) + self.warm_up_steps()
+
+    def warm_up_steps(self) -> int:
+        """The steps :meth:`first_step` and :meth:`warm_step` train: two where the first
+        takes :data:`SLOW_STEP_S` or more."""
+        return 2 if self.first_step() >= SLOW_STEP_S else 1
 
     def sync(self) -> None:
         if self.cuda:
@@ -200,8 +224,9 @@ def estimate(
     round has no client that takes a step, and for a run that its first timed step (one
     client's, a warm-up included: an upper bound) puts below ``shortest`` seconds, which
     needs no plan. Call it before :meth:`Simulation.run`: the run computes what it
-    computes without it. A step slower than :data:`SLOW_STEP_S` is timed once, and
-    ``say`` (when given) is told what the calibration does before it goes on."""
+    computes without it. A step slower than :data:`SLOW_STEP_S` after the first
+    (:meth:`Calibration.slow`) is timed once, and ``say`` (when given) is told what it
+    measured and what the calibration times next before it goes on."""
     if sim.transport is not None or sim.rounds_done:
         return None
     cpu_state = torch.get_rng_state()
@@ -236,11 +261,14 @@ def _estimate(cal: Calibration, shortest: float, say: Callable[[str], object] | 
     first = cal.first_step()
     if first * sum(map(sum, per_round)) < shortest:
         return None
-    slow = first >= SLOW_STEP_S
+    slow = cal.slow()
     parallel = isinstance(cal.executor, ParallelExecutor) and min(cal.executor.workers, len(cal.cids)) > 1
     if say is not None and slow:
         more = "one step on each worker, then " if parallel else ""
-        say(f"estimating the run's time: a local step takes about {first:.0f}s here; timing {more}an evaluation batch")
+        say(
+            f"estimating the run's time: a local step takes {cal.warm_step():.3g}s here (timed after a first step of "
+            f"{first:.3g}s, its warm-up included); timing {more}an evaluation batch"
+        )
     ranks = sim.cfg.workers if sim.executor_name == "distributed" else 1
     if isinstance(cal.executor, VectorizedExecutor):
         train_seconds, measured = _vectorized(cal, cal.executor, per_round, ranks)
@@ -267,7 +295,7 @@ def _parallel(cal: Calibration, executor: ParallelExecutor, per_round: list[list
     jobs = [first_step(cal.job(c, 1)) for c in cal.cids[: executor.workers]]
     busiest = _busiest(per_round, min(executor.workers, len(cal.cids)))
     if slow:
-        return cal.seconds(executor.train, jobs) * sum(busiest), len(jobs)
+        return cal.seconds(executor.train, jobs) * sum(busiest), len(jobs) + cal.warm_up_steps()
     step, measured = cal.client_step()
     start = max(cal.seconds(executor.train, jobs) - step, 0.0)
     return len(busiest) * start + step * sum(busiest), measured + len(jobs)

@@ -40,6 +40,16 @@ class RoundWork:
         return f"{steps}clients {self.clients_done}/{self.clients} done"
 
 
+def pace_of(durations: list[float], warm_up: float = 0.0) -> float | None:
+    """Seconds a later round takes, from the ``durations`` of the rounds a process ran:
+    the mean of those after its first (a process's first round carries its warm-up, and
+    some methods' first round differs from the others: MOON's has no contrastive term),
+    or, after one, that round less its ``warm_up``; None before any."""
+    if len(durations) > 1:
+        return sum(durations[1:]) / (len(durations) - 1)
+    return max(durations[0] - warm_up, 0.0) if durations else None
+
+
 def clock_text(seconds: float) -> str:
     seconds = int(round(seconds))
     return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
@@ -50,7 +60,9 @@ class Progress:
     local steps and clients finish; elsewhere (a log file, a suite's output) a round
     that takes longer than ``every`` seconds gets a line with the steps and clients done
     every ``every`` seconds. Both carry an ETA re-made from the round's own pace (see
-    :meth:`eta_within`), which corrects a calibration made on a quieter machine.
+    :meth:`eta_within`), which corrects a calibration made on a quieter machine; a
+    round's line carries the seconds a round left takes (:meth:`per_round`) and the ETA
+    at that pace.
     ``clock`` gives the time in seconds (a test passes a fake one)."""
 
     def __init__(
@@ -73,6 +85,10 @@ class Progress:
         self.done = 0  # rounds done by this process
         self.before = 0  # rounds done before a resume
         self.lost: set[int] = set()  # the clients the last round lost (reported already)
+        self.durations: list[float] = []  # seconds of each round done by this process
+        self.warm_up = 0.0  # of its first round (:meth:`steps_pace`)
+        self.first_steps: tuple[float, int] | None = None  # the time and steps done of the round's first report of steps
+        self.last_steps: tuple[float, int] | None = None  # and of its latest
 
     def resume_at(self, rounds_done: int) -> None:
         """The run continues after ``rounds_done`` rounds done earlier."""
@@ -86,43 +102,72 @@ class Progress:
         self.start += seconds
         self.round_start += seconds
 
+    def per_round(self) -> float | None:
+        """Seconds a round left takes: :func:`pace_of` the rounds done by this process,
+        the first one's warm-up measured from its local steps (:meth:`steps_pace`);
+        None before any."""
+        return pace_of(self.durations, self.warm_up)
+
     def eta(self) -> float:
-        """Seconds left at this process's pace (0 before the first round)."""
-        if not self.done:
-            return 0.0
-        return (self.now() - self.start) / self.done * (self.rounds - self.before - self.done)
+        """Seconds left at :meth:`per_round` (0 before the first round)."""
+        per_round = self.per_round()
+        return 0.0 if per_round is None else per_round * (self.rounds - self.before - self.done)
+
+    def steps_pace(self) -> tuple[float, float] | None:
+        """The current round's seconds per local step after its first reported steps,
+        and the time before those beyond their share at that pace: a warm-up (a
+        process's first steps allocate memory and pick kernels: a second where a step
+        takes a hundredth). None before a second report of steps."""
+        if self.first_steps is None or self.last_steps is None or self.last_steps[1] <= self.first_steps[1]:
+            return None
+        (first_at, first), (last_at, last) = self.first_steps, self.last_steps
+        step = (last_at - first_at) / (last - first)
+        return step, max(first_at - self.round_start - first * step, 0.0)
 
     def _bar(self, fraction: float) -> str:
         full = int(fraction * self.width)
         return "#" * full + "." * (self.width - full)
 
     def eta_within(self, work: RoundWork) -> float | None:
-        """Seconds left in the run, from the current round's pace: the round ends when
-        its remaining steps take as long as its done ones did, and each later round
-        takes as long as the rounds done by this process did on average, or as this
-        one, before any. Where its steps are not known (its clients train elsewhere, at
-        the same time), the round takes as long as the rounds before it: a client done
-        early says nothing of the others. None before any work, and before any round
-        for clients that train elsewhere."""
+        """Seconds left in the run, from the current round's pace: its remaining steps
+        take as long each as its steps after the first reported ones did
+        (:meth:`steps_pace`; before a second report, as the done ones did), and each
+        later round takes :meth:`per_round`, or before any round this one, less its
+        warm-up. Where its steps are not known (its clients train elsewhere, at the same
+        time), the round takes :meth:`per_round`: a client done early says nothing of
+        the others. None before any work, and before any round for clients that train
+        elsewhere."""
         elapsed = self.now() - self.round_start
-        per_round = (self.round_start - self.start) / self.done if self.done else None
+        per_round = self.per_round()
+        later = self.rounds - self.before - self.done - 1
         if not work.steps:
             if per_round is None or not work.clients_done:
                 return None
-            return max(per_round - elapsed, 0.0) + (self.rounds - self.before - self.done - 1) * per_round
+            return max(per_round - elapsed, 0.0) + later * per_round
         done, total = work.all_steps_done(), work.steps
         if not done:
             return None
-        this_round = elapsed * total / done
-        per_round = per_round if per_round is not None else this_round
-        later = self.rounds - self.before - self.done - 1
-        return max(this_round - elapsed, 0.0) + later * per_round
+        paced = self.steps_pace()
+        step, warm_up = paced if paced is not None else (elapsed / done, 0.0)
+        left = max(total - done, 0) * step
+        if per_round is None:
+            per_round = elapsed + left - warm_up
+        return left + later * per_round
+
+    def note_steps(self, work: RoundWork) -> None:
+        """Keep the time of the round's first and latest reports of local steps."""
+        done = work.all_steps_done() if work.steps else 0
+        if done:
+            at = (self.now(), done)
+            self.first_steps = self.first_steps or at
+            self.last_steps = at
 
     def working(self, work: RoundWork) -> None:
         """The current round's progress: the live line on a terminal (at most every
         :data:`LIVE_S` seconds), else a line at most every ``every`` seconds (none in a
         shorter round, nor once all its clients are done: the round's own line follows)."""
         now = self.now()
+        self.note_steps(work)
         eta = self.eta_within(work)
         eta_text = "" if eta is None else f" ETA {clock_text(eta)}"
         if self.live:
@@ -142,9 +187,15 @@ class Progress:
             self.stream.flush()
 
     def round_done(self, row: dict) -> None:
+        now = self.now()
+        if not self.done:
+            paced = self.steps_pace()
+            self.warm_up = paced[1] if paced is not None else 0.0
+        self.durations.append(now - self.round_start)
+        self.first_steps = self.last_steps = None
         self.done += 1
-        self.round_start = self.now()
-        per_round = (self.round_start - self.start) / self.done
+        self.round_start = now
+        per_round = self.per_round() or 0.0
         eta = self.eta()
         parts = [
             f"{self.prefix}round {row['round']:>{len(str(self.rounds))}}/{self.rounds}",

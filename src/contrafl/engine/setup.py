@@ -210,7 +210,7 @@ def resolve(cfg: Config) -> Config:
         num_clients=num_clients,
         rounds=cfg.rounds if cfg.rounds is not None else rec["rounds"],
         local_epochs=cfg.local_epochs if cfg.local_epochs is not None else rec["local_epochs"],
-        batch_size=cfg.batch_size if cfg.batch_size is not None else rec["batch_size"],
+        batch_size=cfg.batch_size if cfg.batch_size is not None else max(rec["batch_size"], algo_cls.min_batch_size),
         augment=augment_name,
         sample_fraction=cfg.sample_fraction if algo_cls.samples_clients else 1.0,
         server_momentum=(

@@ -31,140 +31,29 @@ import re
 import shlex
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from .. import __version__
-from ..config import fingerprint
 from ..errors import ContraflError
 from ..metrics.history import mean_std
-from .report import (
-    METRICS, Metric, algorithm_label, configuration_labels, count_states, find_runs, mean_pm, partition_label, read_run,
-    run_metric, worst_fraction,
-)
+from .comparison import FAMILIES, bests, family_tables, finals
+from .groups import Group, Run, group_runs, suite_baseline
+from .report import Metric, partition_label, worst_fraction
 
 PARTITION_LIMIT = 8
 """Partition heatmaps drawn on a page (the others are named under them)."""
 
-PROBE_FILES = ("knn", "linear", "finetune-1%", "finetune-10%", "finetune")
-"""Files of ``representation/`` whose accuracy the SSL table shows (those present)."""
-
-
-@dataclass
-class Run:
-    path: Path
-    name: str
-    config: dict[str, Any]
-    rows: list[dict[str, Any]]
-    summary: dict[str, Any]
-
-    @property
-    def status(self) -> str:
-        return self.summary.get("status", "unknown")
-
-    @property
-    def metric(self) -> Metric | None:
-        return run_metric(self.rows)
-
-
-@dataclass
-class Group:
-    """The runs of one configuration over seeds (a suite's method, a sweep's cell)."""
-
-    label: str
-    runs: list[Run] = field(default_factory=list)
-    paper: Any = None
-
-    @property
-    def completed(self) -> list[Run]:
-        return [r for r in self.runs if r.status == "completed" and r.metric is not None]
-
-    @property
-    def metric(self) -> Metric | None:
-        return next((r.metric for r in self.completed), None)
-
-    @property
-    def states(self) -> str:
-        """How many of the runs are in each state (:func:`~contrafl.experiments.report.count_states`)."""
-        return count_states(r.status for r in self.runs)
-
-
-def _records(paths: Sequence[Path]) -> dict[Path, tuple[tuple[str, str], str, Any]]:
-    """Run directory -> ((suite directory, method), group label, paper number) from the
-    suites and sweeps among ``paths`` (their ``suite.json`` or ``sweep.json``)."""
-    from .suite import SUITE_RECORD, Suite, run_path, split_method
-    from .sweep import SWEEP_RECORD, Sweep
-
-    found: dict[Path, tuple[tuple[str, str], str, Any]] = {}
-    for path in map(Path, paths):
-        if (path / SWEEP_RECORD).is_file():
-            sweep = Sweep(**json.loads((path / SWEEP_RECORD).read_text())["sweep"])
-            suite, paper = sweep.suite(), {}
-        elif (path / SUITE_RECORD).is_file():
-            suite = Suite(**json.loads((path / SUITE_RECORD).read_text())["suite"])
-            paper = suite.paper
-        else:
-            continue
-        for method in suite.methods:
-            number = paper.get(method, paper.get(split_method(suite, method)[1]))
-            for seed in suite.seeds:
-                found[run_path(path, method, seed).absolute()] = ((str(path.absolute()), method), method, number)
-    return found
-
-
-def group_runs(paths: Sequence[Path]) -> list[Group]:
-    """The runs below ``paths`` grouped by configuration except the seed: by method or
-    cell for suites and sweeps, else by their settings. A group is labelled by its
-    suite's method or sweep's cell, else by :func:`~contrafl.experiments.report.algorithm_label`
-    (``moon mu=5``; also a suite method named as its bare algorithm, as ``contrafl
-    compare`` named its methods before it named them so), with the settings that tell
-    apart groups of one label (:func:`~contrafl.experiments.report.configuration_labels`)."""
-    records = _records(paths)
-    units: dict[Any, tuple[str | None, Any, list[Run]]] = {}
-    for path, name in find_runs(paths):
-        config, rows, summary = read_run(path)
-        run = Run(path, name, config, rows, summary)
-        if path.absolute() in records:
-            key, method, paper = records[path.absolute()]
-            base = algorithm_label(config.get("algorithm", "?")) if method == _algorithm(config) else method
-            units.setdefault(key, (base, paper, []))[2].append(run)
-        else:
-            units.setdefault(fingerprint({**config, "seed": 0}), (None, None, []))[2].append(run)
-    labels = configuration_labels([runs[0].config for _, _, runs in units.values()], [base for base, _, _ in units.values()])
-    return [Group(label, runs, paper=paper) for label, (_, paper, runs) in zip(labels, units.values())]
-
-
-def _algorithm(config: Mapping[str, Any]) -> str:
-    algo = config.get("algorithm", "?")
-    return str(algo.get("name") if isinstance(algo, Mapping) else algo)
-
 
 # -- numbers ---------------------------------------------------------------------------
-
-
-def _pct(values: Sequence[float]) -> str:
-    return mean_pm(values)
 
 
 def _paper_value(paper: Any) -> float | None:
     """The first number of a paper cell (``"69.1 ± 0.4"`` -> 69.1), in %."""
     match = re.search(r"-?\d+(\.\d+)?", str(paper)) if paper is not None else None
     return float(match.group(0)) if match else None
-
-
-def _evaluated(run: Run, key: str) -> list[dict]:
-    return [r for r in run.rows if r.get(key) is not None]
-
-
-def _probe(run: Run, name: str) -> float | None:
-    path = run.path / "representation" / f"{name}.json"
-    try:
-        return float(json.loads(path.read_text())["acc"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
 
 
 def _paper_cells(group: Group, ours: float | None) -> list[str]:
@@ -175,61 +64,28 @@ def _paper_cells(group: Group, ours: float | None) -> list[str]:
     return [html.escape(str(group.paper)), diff]
 
 
-def results_tables(groups: Sequence[Group]) -> list[tuple[str, list[list[str]]]]:
-    """(title, rows with a header row) of each metric family present."""
+def results_tables(groups: Sequence[Group], baseline: str | None = None) -> list[tuple[str, list[list[str]]]]:
+    """(title, rows with a header row) of each metric family present
+    (:func:`~contrafl.experiments.comparison.family_tables`, the paired differences against
+    ``baseline``), with the paper's number beside ours in the family a group is judged
+    by, and the state of every group's runs."""
     tables = []
     with_paper = any(g.paper is not None for g in groups)
-    paper_head = ["paper", "ours − paper"] if with_paper else []
-    by_family: dict[str, list[Group]] = {}
-    for g in groups:
-        by_family.setdefault(g.metric.key if g.metric else "none", []).append(g)
-    if "test_acc" in by_family:
-        rows = [["configuration", "final test acc (%)", "best test acc (%)", "seeds", *paper_head, "runs"]]
-        for g in by_family["test_acc"]:
-            finals = [_evaluated(r, "test_acc")[-1]["test_acc"] for r in g.completed]
-            bests = [max(x["test_acc"] for x in _evaluated(r, "test_acc")) for r in g.completed]
-            seeds = ", ".join(str(r.config.get("seed")) for r in g.completed)
-            paper = _paper_cells(g, mean_std(finals)[0]) if with_paper else []
-            rows.append([g.label, _pct(finals), _pct(bests), seeds, *paper, g.states])
-        tables.append(("Global model: test accuracy, mean ± std over seeds", rows))
-    if "personal_acc" in by_family:
-        rows = [["configuration", "final client acc (%)", "client std (%)", "best client acc (%)", "client std at best (%)",
-                 "best rounds", "seeds", *paper_head, "runs"]]
-        for g in by_family["personal_acc"]:
-            finals = [_evaluated(r, "personal_acc")[-1] for r in g.completed]
-            bests = [max(_evaluated(r, "personal_acc"), key=lambda x: x["personal_acc"]) for r in g.completed]
-            paper = _paper_cells(g, mean_std([b["personal_acc"] for b in bests])[0]) if with_paper else []
-            rows.append([
-                g.label,
-                _pct([f["personal_acc"] for f in finals]),
-                f"{100 * mean_std([f['personal_acc_std'] for f in finals])[0]:.2f}",
-                _pct([b["personal_acc"] for b in bests]),
-                f"{100 * mean_std([b['personal_acc_std'] for b in bests])[0]:.2f}",
-                ", ".join(str(b["round"]) for b in bests),
-                ", ".join(str(r.config.get("seed")) for r in g.completed),
-                *paper,
-                g.states,
-            ])
-        tables.append(("Personalised models: sample-weighted client accuracy (PFLlib's metric: the best round), "
-                       "mean ± std over seeds; client std: the std over clients", rows))
-    if "knn_acc" in by_family:
-        family = by_family["knn_acc"]
-        probes = [p for p in PROBE_FILES if any(_probe(r, p) is not None for g in family for r in g.completed)]
-        rows = [["configuration", "final kNN acc (%)", "best kNN acc (%)", *[f"{p} (%)" for p in probes], "seeds", *paper_head, "runs"]]
-        for g in family:
-            finals = [_evaluated(r, "knn_acc")[-1]["knn_acc"] for r in g.completed]
-            bests = [max(x["knn_acc"] for x in _evaluated(r, "knn_acc")) for r in g.completed]
-            cells = []
-            for p in probes:
-                values = [v for v in (_probe(r, p) for r in g.completed) if v is not None]
-                cells.append(_pct(values) if values else "-")
-            paper = _paper_cells(g, mean_std(finals)[0]) if with_paper else []
-            seeds = ", ".join(str(r.config.get("seed")) for r in g.completed)
-            rows.append([g.label, _pct(finals), _pct(bests), *cells, seeds, *paper, g.states])
-        tables.append(("Self-supervised encoders: kNN accuracy and probes (contrafl eval-repr), mean ± std over seeds", rows))
-    if "none" in by_family:
-        rows = [["configuration", "runs"]] + [[g.label, g.states] for g in by_family["none"]]
-        tables.append(("Without a completed, evaluated run", rows))
+    by_label = {g.label: g for g in groups}
+    for table in family_tables(groups, baseline):
+        header, *body = table.rows
+        rows = [header + (["paper", "ours − paper"] if with_paper else []) + ["runs"]]
+        for row in body:
+            g = by_label[row[0]]
+            paper = []
+            if with_paper:
+                ours = bests(g, table.metric.key) if table.metric.std else finals(g, table.metric.key)  # PFLlib's: the best round
+                paper = _paper_cells(g, mean_std(list(ours.values()))[0]) if g.metric == table.metric else ["", ""]
+            rows.append(row + paper + [g.states])
+        tables.append((table.title, rows))
+    idle = [g for g in groups if not g.families]
+    if idle:
+        tables.append(("Without a completed, evaluated run", [["configuration", "runs"]] + [[g.label, g.states] for g in idle]))
     return tables
 
 
@@ -238,7 +94,7 @@ def fairness_rows(groups: Sequence[Group]) -> list[list[str]]:
     seeds): clients, std over clients, the mean of the worst 10 %, min and max."""
     rows = [["configuration", "clients", "client acc (%)", "std (%)", "worst 10% (%)", "min (%)", "max (%)"]]
     for g in groups:
-        finals = [_evaluated(r, "client_acc")[-1] for r in g.completed if _evaluated(r, "client_acc")]
+        finals = [r.evaluated("client_acc")[-1] for r in g.completed if r.evaluated("client_acc")]
         if not finals:
             continue
         accs = [[a for a in f["client_acc"] if a is not None] for f in finals]
@@ -282,9 +138,9 @@ def curves_plot(groups: Sequence[Group], metric: Metric):
     ax = fig.add_subplot(1, 1, 1)
     handles, labels = [], []
     for g in groups:
-        if g.metric != metric:
+        if metric not in g.families:
             continue
-        curves = [{r["round"]: r[metric.key] for r in _evaluated(run, metric.key)} for run in g.completed]
+        curves = [{r["round"]: r[metric.key] for r in run.evaluated(metric.key)} for run in g.completed]
         rounds = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
         if not rounds:
             continue
@@ -324,7 +180,7 @@ def clients_plot(groups: Sequence[Group]):
 
     data = []
     for g in groups:
-        accs = [100 * a for r in g.completed if _evaluated(r, "client_acc") for a in _evaluated(r, "client_acc")[-1]["client_acc"] if a is not None]
+        accs = [100 * a for r in g.completed if r.evaluated("client_acc") for a in r.evaluated("client_acc")[-1]["client_acc"] if a is not None]
         if accs:
             data.append((g.label, accs))
     if not data:
@@ -441,6 +297,7 @@ body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1100px; 
 h1 { font-size: 1.5em; } h2 { font-size: 1.2em; margin-top: 2em; border-bottom: 1px solid #ccc; }
 table { border-collapse: collapse; margin: 0.6em 0 1.2em; font-size: 0.85em; }
 th, td { border: 1px solid #bbb; padding: 0.25em 0.6em; text-align: left; }
+td { white-space: nowrap; } .wide { overflow-x: auto; max-width: 100%; }
 th { background: #eee; } td.num { text-align: right; font-variant-numeric: tabular-nums; }
 img { max-width: 100%; border: 1px solid #ddd; margin: 0.4em 0; }
 code, pre { background: #f4f4f4; padding: 0.1em 0.3em; }
@@ -450,24 +307,26 @@ code, pre { background: #f4f4f4; padding: 0.1em 0.3em; }
 
 def _table(rows: list[list[str]], escape: bool = True) -> str:
     head, *body = rows
-    numeric = re.compile(r"^[-+]?\d[\d., ±%-]*$")
+    numeric = re.compile(r"^[-+]?\d[\d., ±%\[\]+-]*$")
 
     def cell(tag: str, value: str) -> str:
         text = html.escape(value) if escape else value
         cls = ' class="num"' if tag == "td" and numeric.match(value or "") else ""
         return f"<{tag}{cls}>{text}</{tag}>"
 
-    lines = ["<table>", "<tr>" + "".join(cell("th", h) for h in head) + "</tr>"]
+    lines = ['<div class="wide"><table>', "<tr>" + "".join(cell("th", h) for h in head) + "</tr>"]
     lines += ["<tr>" + "".join(cell("td", c) for c in row) + "</tr>" for row in body]
-    return "\n".join(lines + ["</table>"])
+    return "\n".join(lines + ["</table></div>"])
 
 
 def _image(png: bytes, alt: str) -> str:
     return f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{base64.b64encode(png).decode()}">'
 
 
-def render(paths: Sequence[Path], command: str, title: str | None = None) -> str:
-    """The HTML page of the runs below ``paths``; ``command`` regenerates it."""
+def render(paths: Sequence[Path], command: str, title: str | None = None, baseline: str | None = None) -> str:
+    """The HTML page of the runs below ``paths``; ``command`` regenerates it. Differences
+    are paired against ``baseline`` (default: the baseline of the one suite given, else
+    the first configuration)."""
     groups = group_runs(paths)
     if not groups:
         raise ContraflError(f"no runs in {', '.join(map(str, paths))}")
@@ -482,9 +341,9 @@ def render(paths: Sequence[Path], command: str, title: str | None = None) -> str
         f"{time.strftime('%Y-%m-%d %H:%M')} from the run directories. Regenerate with <code>{html.escape(command)}</code></p>",
         "<h2>Results</h2>",
     ]
-    for caption, rows in results_tables(groups):
+    for caption, rows in results_tables(groups, baseline or suite_baseline(paths)):
         parts += [f'<p class="caption">{html.escape(caption)}</p>', _table(rows)]
-    families = [m for m in METRICS if any(g.metric == m for g in groups)]
+    families = [m for m in FAMILIES if any(m in g.families for g in groups)]
     curves = [(m, curves_figure(groups, m)) for m in families]
     if any(png for _, png in curves):
         parts.append("<h2>Accuracy per round</h2>")
@@ -529,7 +388,7 @@ def _run_rows(groups: Sequence[Group]) -> list[list[str]]:
     for g in groups:
         for run in g.runs:
             metric = run.metric
-            final = _evaluated(run, metric.key)[-1][metric.key] if metric else None
+            final = run.evaluated(metric.key)[-1][metric.key] if metric else None
             wall = run.summary.get("wall_time_s")
             rows.append([
                 run.name,
@@ -544,11 +403,11 @@ def _run_rows(groups: Sequence[Group]) -> list[list[str]]:
     return rows
 
 
-def write_html(paths: Sequence[Path], out: Path, argv: Sequence[str] | None = None) -> Path:
+def write_html(paths: Sequence[Path], out: Path, argv: Sequence[str] | None = None, baseline: str | None = None) -> Path:
     """Write the report of ``paths`` to ``out``; ``argv`` is the regenerating command's
     arguments (default: ``contrafl report PATHS --html OUT``)."""
     argv = list(argv) if argv is not None else ["report", *map(str, paths), "--html", str(out)]
-    page = render(paths, "contrafl " + shlex.join(argv))
+    page = render(paths, "contrafl " + shlex.join(argv), baseline=baseline)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(page, encoding="utf-8")

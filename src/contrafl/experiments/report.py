@@ -242,12 +242,13 @@ class Metric:
     key: str
     label: str
     std: str | None = None
+    title: str = ""
 
 
-METRICS = (
-    Metric("personal_acc", "client acc", "personal_acc_std"),  # PFLlib's: personalised runs
-    Metric("test_acc", "test acc"),
-    Metric("knn_acc", "kNN acc"),  # self-supervised runs
+METRICS = (  # the metric families, each in tables and figures of its own
+    Metric("personal_acc", "client acc", "personal_acc_std", "Personalised models: sample-weighted client accuracy"),  # PFLlib's
+    Metric("test_acc", "test acc", None, "Global model: test accuracy"),
+    Metric("knn_acc", "kNN acc", None, "Self-supervised encoders: kNN accuracy of the global encoder"),
 )
 
 

@@ -55,9 +55,10 @@ from ..config import apply_overrides, build_config, differences, fingerprint, me
 from ..engine.progress import Progress, clock_text
 from ..engine.run_dir import read_summary, to_json
 from ..engine.signals import interrupts, stop_point
-from ..errors import ConfigError, one_line
+from ..errors import ConfigError, ContraflError, one_line
 from ..words import count
 from ..metrics.history import last_row, last_value, mean_std, rounds_to_reach
+from .eta import RunTimes, calibrate_each, seconds_left
 from .report import pm, read_run
 
 
@@ -74,6 +75,15 @@ class Suite:
     settings: list[str] = field(default_factory=list)
     metric: str = "final"
     probes: list[str] = field(default_factory=list)
+    baseline: str | None = None
+    families_only: bool = False
+    """Tabulated by metric family only (``contrafl compare``), without the paper's layout."""
+
+    def baseline_method(self) -> str | None:
+        """The method every other is compared with (paired differences, targets): the
+        file's ``baseline``, else the method of ``target: {from: ...}``, else the first."""
+        names = base_methods(self)
+        return self.baseline or self.target.get("from") or (names[0] if names else None)
 
     def config(self, method: str, seed: int, overrides: Sequence[str] = ()):
         """The validated configuration of one run (``method`` is a ``"<setting> /
@@ -99,7 +109,7 @@ def load_suite(path: Path) -> Suite:
     for key in ("name", "methods"):
         if key not in data:
             raise ConfigError(f"{path} has no '{key}'; an experiment needs a name, a base config and methods")
-    unknown = set(data) - {"name", "description", "base", "methods", "seeds", "paper", "paper_rounds", "target", "settings", "metric", "probes"}
+    unknown = set(data) - {"name", "description", "base", "methods", "seeds", "paper", "paper_rounds", "target", "settings", "metric", "probes", "baseline"}
     if unknown:
         raise ConfigError(f"{path}: unknown key '{sorted(unknown)[0]}' in the experiment file")
     metric = data.get("metric", "final")
@@ -115,6 +125,9 @@ def load_suite(path: Path) -> Suite:
     if probes and metric != "representation":
         raise ConfigError(f"{path}: probes need 'metric: representation'")
     methods = {str(k): (v or {}) for k, v in data["methods"].items()}
+    baseline = data.get("baseline")
+    if baseline is not None and str(baseline) not in methods:
+        raise ConfigError(f"{path}: baseline '{baseline}' is not one of its methods; expected one of {', '.join(methods)}")
     settings = {str(k): (v or {}) for k, v in (data.get("settings") or {}).items()}
     if settings:  # every method in every setting; a method's own settings come last
         methods = {
@@ -144,6 +157,7 @@ def load_suite(path: Path) -> Suite:
         settings=list(settings),
         metric=metric,
         probes=probes,
+        baseline=None if baseline is None else str(baseline),
     )
 
 
@@ -196,7 +210,7 @@ def run_suite(
     chooses what to run). A failed run is reported and the suite goes on; Ctrl-C or
     SIGTERM stop it (a ``KeyboardInterrupt`` whose ``where`` names the run).
     """
-    from ..engine.setup import check_data_dir
+    from ..engine.setup import check_data_dir, prepare
 
     chosen = list(suite.methods)
     if methods:
@@ -219,7 +233,8 @@ def run_suite(
     log(f"{suite.name}: {count(len(chosen), 'method')} x {count(len(suite.seeds), 'seed')} -> {out}")
     for cell in cells:
         _inspect(cell, log)
-    clock = SuiteClock(sum(c.config.rounds - c.rounds_done for c in cells if c.state != "done"))
+    created = not out.exists()  # removed again if bad input stops the suite before a run finishes
+    clock = SuiteClock.for_cells(cells, log if progress is not None else None)
     failed = []
     with interrupts():
         for i, cell in enumerate(cells, start=1):
@@ -231,34 +246,47 @@ def run_suite(
                 continue
             log(f"{head}{' resumed after round ' + str(cell.rounds_done) if cell.state == 'resume' else ''} -> {cell.path}")
             try:
-                summary = _run_cell(cell, clock, progress, head)
+                setup = prepare(cell.config)
+            except ContraflError:  # bad input (data files, a setting) that every run would meet alike
+                if created:
+                    shutil.rmtree(out, ignore_errors=True)  # this command made it and nothing in it is finished
+                raise
+            try:
+                summary = _run_cell(cell, setup, clock, progress, head)
             except KeyboardInterrupt as exc:
                 exc.where = f"{cell.method} seed {cell.seed}"  # type: ignore[attr-defined]
                 raise
             except Exception as exc:  # reported, and the other runs go on
                 failed.append(cell)
-                log(f"{head}: FAILED: {one_line(exc)} (traceback in {cell.path / 'error.txt'}); "
+                log(f"{head}: FAILED: {one_line(exc)} ({_traceback_file(cell.path, exc)}); "
                     "run the suite again to resume it from its checkpoint")
                 continue
-            if suite.metric == "best":
-                acc = summary.get("best_personal_acc")
-                what = "best client accuracy"
-            elif suite.metric == "representation":
-                acc, what = summary.get("final", {}).get("knn_acc"), "final kNN accuracy"
-            else:
-                final = summary.get("final", {})
-                acc, what = final.get("test_acc", final.get("personal_acc")), "final accuracy"
-            log(f"{head}: {what} {'-' if acc is None else f'{acc:.4f}'} in {summary['wall_time_s']:.0f}s")
+            created = False
+            log(f"{head}: {_final_line(suite, summary)} in {summary['wall_time_s']:.0f}s")
             _run_probes(suite, cell, log, head)
     results = collect(suite, out, list(suite.methods), {k: fingerprint(c) for k, c in configs.items()})
     results["failed"] = [f"{c.method} seed {c.seed}" for c in failed]
     out.mkdir(parents=True, exist_ok=True)
     record = {"suite": dataclasses.asdict(suite), "overrides": list(overrides)}
     (out / SUITE_RECORD).write_text(json.dumps(record, indent=2) + "\n")
+    results["figures"] = [str(p) for p in plot_families(out)]
     (out / "results.json").write_text(to_json(results, indent=2) + "\n")
-    (out / "results.md").write_text(format_table(suite, results) + "\n")
-    plot_curves(results, out / "curves.png", title=suite.name)
+    paper = "" if suite.families_only else format_table(suite, results) + "\n\n"
+    (out / "results.md").write_text(paper + statistics(out, suite) + "\n")
     return results
+
+
+def _final_line(suite: Suite, summary: Mapping[str, Any]) -> str:
+    """What a finished run reached: the suite's metric, else every metric family it
+    evaluated at its last round (a comparison of families)."""
+    final = summary.get("final", {})
+    if suite.metric == "best":
+        value = summary.get("best_personal_acc")
+        return f"best client accuracy {'-' if value is None else f'{value:.4f}'}"
+    names = {"test_acc": "test accuracy", "personal_acc": "client accuracy", "knn_acc": "kNN accuracy"}
+    keys = ["knn_acc"] if suite.metric == "representation" else list(names)
+    parts = [f"final {names[k]} {final[k]:.4f}" for k in keys if final.get(k) is not None]
+    return ", ".join(parts) or "no evaluated accuracy"
 
 
 def _run_probes(suite: Suite, cell: Cell, log: Callable[[str], None], head: str) -> None:
@@ -317,12 +345,10 @@ def _inspect(cell: Cell, log: Callable[[str], None]) -> None:
     cell.rounds_done = summary.get("checkpointed_rounds", 0)
 
 
-def _run_cell(cell: Cell, clock: "SuiteClock", progress: TextIO | None, head: str) -> dict[str, Any]:
+def _run_cell(cell: Cell, setup: Any, clock: "SuiteClock", progress: TextIO | None, head: str) -> dict[str, Any]:
     from ..engine.run_dir import RunDir
-    from ..engine.setup import prepare
     from ..engine.simulation import Simulation, resume
 
-    setup = prepare(cell.config)
     bar = SuiteProgress(clock, cell.config.rounds, progress, prefix=f"{head}  ") if progress is not None else None
     if cell.state == "resume":
         sim = resume(setup, RunDir(cell.path, resume=True), bar)
@@ -331,6 +357,18 @@ def _run_cell(cell: Cell, clock: "SuiteClock", progress: TextIO | None, head: st
     for w in setup.warnings:
         (progress or sys.stderr).write(f"    warning: {w}\n")
     return sim.run()
+
+
+def _traceback_file(path: Path, exc: BaseException) -> str:
+    """Where the traceback of a failed run is: its ``error.txt``, which the run writes,
+    or written here for a failure before the run could."""
+    error = path / "error.txt"
+    if not error.is_file():
+        import traceback
+
+        path.mkdir(parents=True, exist_ok=True)
+        error.write_text("".join(traceback.format_exception(exc)))
+    return f"traceback in {error}"
 
 
 def run_fingerprint(path: Path) -> str | None:
@@ -346,36 +384,71 @@ def run_fingerprint(path: Path) -> str | None:
 
 
 class SuiteClock:
-    """Rounds left in a suite and the pace so far, for its ETA."""
+    """The suite's ETA (:func:`~contrafl.experiments.eta.seconds_left`): the runs it has
+    to do, in their order, each known by its method's estimate and, once it runs, by the
+    pace of its rounds, which its :class:`SuiteProgress` measures. A run's time spans
+    from its start (when its :class:`SuiteProgress` is made; the clock's, for the
+    first) to the next run's: the set-up of a run, before its :class:`SuiteProgress`,
+    counts with the run before it. ``clock`` gives the time in seconds (a test passes a
+    fake one)."""
 
-    def __init__(self, rounds_left: int) -> None:
-        self.rounds_left = rounds_left
-        self.rounds_done = 0
-        self.start = time.perf_counter()
+    def __init__(self, runs: list[RunTimes], clock: Callable[[], float] = time.perf_counter) -> None:
+        self.runs = runs
+        self.now = clock
+        self.since = clock()  # the start of the current run's time
+        self.bar: SuiteProgress | None = None  # the current run's
 
-    def round_done(self) -> None:
-        self.rounds_done += 1
-        self.rounds_left -= 1
+    @classmethod
+    def for_cells(cls, cells: list[Cell], say: Callable[[str], object] | None) -> SuiteClock:
+        """The clock of the runs of ``cells`` not done yet, each with the estimate of a
+        run of its method (:func:`~contrafl.experiments.eta.calibrate_each`, which tells
+        ``say``; none without ``say``: no ETA is shown)."""
+        todo = [c for c in cells if c.state != "done"]
+        configs: dict[str, Any] = {}
+        for cell in todo:
+            configs.setdefault(cell.method, cell.config)
+        estimates = calibrate_each(configs, "method", say) if say is not None else {}
+        return cls([RunTimes(c.config.rounds, estimates.get(c.method), c.rounds_done) for c in todo])
 
-    def eta(self) -> float:
-        if not self.rounds_done:
-            return 0.0
-        return (time.perf_counter() - self.start) / self.rounds_done * max(self.rounds_left, 0)
+    def run_started(self, bar: SuiteProgress) -> None:
+        """The next run starts, its rounds measured by ``bar``; the current one ended."""
+        current = self.current()
+        if current is not None:
+            self.observe(current)
+            current.state = "ended"
+            self.since = self.now()
+        following = next(r for r in self.runs if r.state == "pending")
+        following.state = "running"
+        self.bar = bar
+
+    def current(self) -> RunTimes | None:
+        return next((r for r in self.runs if r.state == "running"), None)
+
+    def observe(self, run: RunTimes) -> None:
+        """``run``'s rounds, pace and time beyond them, from its bar."""
+        if self.bar is not None:
+            run.done, run.pace = self.bar.done, self.bar.per_round()
+        run.overhead = self.now() - self.since - (run.pace or 0.0) * run.done
+
+    def eta(self) -> float | None:
+        """Seconds left in the suite; None before any round."""
+        current = self.current()
+        if current is not None:
+            self.observe(current)
+        return seconds_left(self.runs)
 
 
 class SuiteProgress(Progress):
     """A run's per-round progress line, with the whole suite's ETA."""
 
     def __init__(self, clock: SuiteClock, rounds: int, stream: TextIO, prefix: str) -> None:
-        super().__init__(rounds, stream, prefix=prefix)
+        super().__init__(rounds, stream, prefix=prefix, clock=clock.now)
         self.clock = clock
-
-    def round_done(self, row: dict) -> None:
-        self.clock.round_done()
-        super().round_done(row)
+        clock.run_started(self)
 
     def suffix(self) -> str:
-        return f"  suite ETA {clock_text(self.clock.eta())}"
+        eta = self.clock.eta()
+        return "" if eta is None else f"  suite ETA {clock_text(eta)}"
 
 
 def _paths_from(settings: Any, folder: Path) -> Any:
@@ -406,7 +479,39 @@ def suite_report(out: Path) -> str:
     executors = sorted({f"{c.get('executor')} executor, {c.get('workers')} worker(s), {c.get('device')}" for c in used})
     runs = sum(e["seeds"] for e in results["methods"].values())
     note = f"{runs} completed runs ({'; '.join(executors)}); regenerate with `contrafl report {out} --markdown`"
-    return format_table(suite, results, detailed=True) + "\n\n" + note
+    paper = "" if suite.families_only else format_table(suite, results, detailed=True) + "\n\n"
+    return paper + statistics(Path(out), suite) + "\n\n" + note
+
+
+def statistics(out: Path, suite: Suite) -> str:
+    """The tables of the metric families of the runs in ``out``, one per family, with
+    bootstrap intervals over seeds and paired differences to the suite's baseline
+    (:mod:`contrafl.experiments.comparison`)."""
+    from .comparison import family_tables, markdown
+    from .groups import group_runs
+
+    return "\n\n".join(markdown(t) for t in family_tables(group_runs([out]), suite.baseline_method()))
+
+
+def plot_families(out: Path) -> list[Path]:
+    """``curves-<metric>.png`` in ``out`` for each metric family of its runs: the mean over
+    seeds per round with a ± std band, one metric on each figure's axis; a figure of a
+    family no run evaluated any more is removed."""
+    from .comparison import FAMILIES
+    from .groups import group_runs
+    from .html import curves_figure
+
+    groups = group_runs([out])
+    written = []
+    for metric in FAMILIES:
+        path = out / f"curves-{metric.key}.png"
+        png = curves_figure(groups, metric)
+        if png is None:
+            path.unlink(missing_ok=True)
+            continue
+        path.write_bytes(png)
+        written.append(path)
+    return written
 
 
 def run_path(out: Path, method: str, seed: int) -> Path:
@@ -649,26 +754,3 @@ def _representation_table(suite: Suite, results: Mapping[str, Any], detailed: bo
             cells.append(str(suite.paper.get(base, "")))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
-
-
-def plot_curves(results: Mapping[str, Any], path: Path, title: str = "") -> Path | None:
-    """Mean test accuracy per round of every method (Agg backend, no display needed)."""
-    curves = {m: e["curve"] for m, e in results["methods"].items() if e.get("curve")}
-    if not curves:
-        return None
-    from matplotlib.ticker import MaxNLocator
-
-    from .plots import chars, figure, legend_below, wrap
-
-    fig = figure(6, 4)
-    ax = fig.add_subplot(1, 1, 1)
-    lines = [ax.plot([r for r, _ in curve], [100 * a for _, a in curve])[0] for curve in curves.values()]
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_xlabel("round")
-    ax.set_ylabel("test accuracy (%)")
-    ax.set_title(wrap(title, chars(5.5, 9)), fontsize=9)
-    ax.grid(alpha=0.3)
-    legend_below(fig, ax, lines, list(curves))  # under the axes, wrapped to their width (long method names)
-    fig.savefig(path)
-    return Path(path)
-

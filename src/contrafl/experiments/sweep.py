@@ -44,21 +44,22 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, TextIO, TypeVar
+from typing import Any, Literal, TextIO, TypeVar
 
 import yaml
 
 from .. import params as P
 from ..config import COMPONENTS, SETTINGS, Component, Config, apply_settings, merge, parse_overrides
-from ..engine.progress import clock_text
+from ..engine.progress import clock_text, pace_of
 from ..engine.run_dir import read_summary, to_json
 from ..engine.signals import exit_code, interrupts, signal_name, stop_point
 from ..errors import ConfigError
 from ..words import count
 from ..metrics.history import mean_std
+from .eta import RunTimes, calibrate_each, seconds_left
 from .report import METRICS, Metric, _format, count_states, pm, read_run, run_metric
 from .suite import Cell, Suite, _inspect, _paths_from, _slug, resolved_configs, run_path
 
@@ -297,7 +298,11 @@ def run_sweep(
     _record(sweep, out, overrides)
     if shard:
         _record_shard(sweep, out, overrides, shard, mine, stream)
-    board = _Board(mine, stream)
+    todo: dict[str, Config] = {}
+    for cell in queue:
+        todo.setdefault(cell.method, cell.config)
+    estimates = calibrate_each(todo, "cell", lambda line: stream.write(line + "\n"), threads=share)
+    board = _Board(mine, stream, estimates, workers)
     running: list[_Job] = []
     failed: list[str] = []
     try:
@@ -472,6 +477,17 @@ def _stop(running: list[_Job], signum: int) -> None:
                     job.process.send_signal(signal.SIGINT)
 
 
+def _round_seconds(path: Path, after: int) -> list[float]:
+    """The seconds of the rounds after round ``after`` that a run directory's
+    timing.jsonl holds (a line still being written left out)."""
+    try:
+        with (path / "timing.jsonl").open() as f:
+            rows = [json.loads(line) for line in f if line.endswith("\n")]
+    except (OSError, ValueError):
+        return []
+    return [float(r["seconds"]) for r in rows if r.get("round", 0) > after]
+
+
 def _rounds_in(path: Path) -> int:
     """Rounds a run directory's metrics.jsonl holds (0 before its first round ends)."""
     try:
@@ -483,11 +499,23 @@ def _rounds_in(path: Path) -> int:
 
 class _Board:
     """The sweep's one progress display: a line per finished run, and the runs going on
-    with the whole sweep's rounds and ETA (a live line on a terminal, else every 30 s)."""
+    with the whole sweep's rounds and ETA (a live line on a terminal, else every 30 s).
+    The ETA (:func:`~contrafl.experiments.eta.seconds_left`, ``workers`` runs at a
+    time) predicts each run to come from its cell's estimate (``estimates``, by cell)
+    and the runs seen so far: their rounds' seconds (their ``timing.jsonl``) and their
+    time beyond them, process start included. ``clock`` gives the time in seconds (a
+    test passes a fake one)."""
 
     EVERY = 30.0  # seconds between status lines when not on a terminal (1 s on one)
 
-    def __init__(self, cells: list[Cell], stream: TextIO) -> None:
+    def __init__(
+        self,
+        cells: list[Cell],
+        stream: TextIO,
+        estimates: Mapping[str, float | None] | None = None,
+        workers: int = 1,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
         self.stream = stream
         self.live = stream.isatty()
         self.total = len(cells)
@@ -495,21 +523,33 @@ class _Board:
         self.rounds_total = sum(c.config.rounds for c in cells)
         self.rounds_before = sum(c.config.rounds if c.state == "done" else c.rounds_done for c in cells)
         self.rounds_finished = 0  # rounds of the runs finished by this call
-        self.start = time.perf_counter()
-        self.shown = self.start
+        estimates = estimates or {}
+        self.times = {
+            (c.method, c.seed): RunTimes(c.config.rounds, estimates.get(c.method), c.rounds_done) for c in cells if c.state != "done"
+        }  # in the order the runs start
+        self.workers = workers
+        self.now = clock
+        self.shown = clock()
 
     def rounds_now(self, running: list[_Job]) -> int:
         return self.rounds_finished + sum(max(0, _rounds_in(j.cell.path) - j.cell.rounds_done) for j in running)
 
+    def observe(self, job: _Job, state: Literal["running", "ended"]) -> None:
+        """``job``'s run as its ``timing.jsonl`` has it now: its rounds done by this call,
+        their pace and its time beyond them."""
+        run = self.times[job.cell.method, job.cell.seed]
+        seconds = _round_seconds(job.cell.path, job.cell.rounds_done)
+        run.done, run.pace, run.state = len(seconds), pace_of(seconds), state
+        run.overhead = self.now() - job.start - (run.pace or 0.0) * run.done
+
     def eta(self, running: list[_Job]) -> str:
-        rounds = self.rounds_now(running)
-        if not rounds:
-            return "ETA after the first round"
-        left = self.rounds_total - self.rounds_before - rounds
-        return f"ETA {clock_text((time.perf_counter() - self.start) / rounds * max(left, 0))}"
+        for job in running:
+            self.observe(job, "running")
+        left = seconds_left(list(self.times.values()), self.workers)
+        return "ETA after the first round" if left is None else f"ETA {clock_text(left)}"
 
     def show(self, running: list[_Job]) -> None:
-        now = time.perf_counter()
+        now = self.now()
         if not running or now - self.shown < (1.0 if self.live else self.EVERY):
             return
         self.shown = now
@@ -529,7 +569,8 @@ class _Board:
         code = job.process.wait()
         cell = job.cell
         self.rounds_finished += max(0, _rounds_in(cell.path) - cell.rounds_done)
-        seconds = time.perf_counter() - job.start
+        self.observe(job, "ended")
+        seconds = self.now() - job.start
         head = f"{cell.method} seed {cell.seed}"
         # a run stopped after its last round finished it: its summary says completed
         if code == 0 or (stopping and read_summary(cell.path).get("status") == "completed"):
