@@ -86,8 +86,8 @@ class FedU2(SelfSupervised):
     min_batch_size = 64
     """FUR compares a batch with as many fresh samples of the sphere; below 64 they are noise
     that pulls the two views apart (digits at 16: BYOL's alignment loss 0.08 -> 2.07 in 20
-    rounds, docs/algorithms.md). The paper's 128 would leave the smallest clients of the
-    default splits (digits, the CIFAR subset) without a step."""
+    rounds, docs/algorithms.md). The paper's 128 would leave several clients of the default
+    splits (digits, the CIFAR subset) without a step."""
     summary = "FedU2: SSL + flexible uniformity regularizer (FUR); enhanced uniform aggregation (EUA)"
     paper = "Liao, Gao, Ren, Liu, Sun, Wang, Rethinking the Representation in Federated Unsupervised Learning with Non-IID Data, CVPR 2024"
     Params = FedU2Params

@@ -137,6 +137,8 @@ def group_runs(paths: Sequence[Path]) -> list[Group]:
             units.setdefault(key, (base, paper, setting, []))[3].append(run)
         else:
             units.setdefault(fingerprint({**config, "seed": 0}), (None, None, "", []))[3].append(run)
+    order = {key: i for i, key in enumerate(dict.fromkeys(key for key, *_ in records.values()))}  # a suite's methods in its order
+    units = dict(sorted(units.items(), key=lambda item: order.get(item[0], len(order))))
     labels = configuration_labels([runs[0].config for *_, runs in units.values()], [base for base, *_ in units.values()])
     groups = []
     for label, (_, paper, setting, runs) in zip(labels, units.values()):

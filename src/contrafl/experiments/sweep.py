@@ -61,7 +61,7 @@ from ..words import count
 from ..metrics.history import mean_std
 from .eta import RunTimes, calibrate_each, seconds_left
 from .report import METRICS, Metric, _format, count_states, pm, read_run, run_metric
-from .suite import Cell, Suite, _inspect, _paths_from, _slug, resolved_configs, run_path
+from .suite import Cell, Suite, _inspect, _paths_from, _slug, resolved_configs, run_path, statistics
 
 SWEEP_RECORD = "sweep.json"  # the sweep, its overrides and cells, in its output directory
 SHARD_RECORD = "sweep-shard-{i}-of-{n}.json"  # what share I of N ran, beside it
@@ -697,7 +697,8 @@ def format_table(sweep: Sweep, results: Mapping[str, Any], markdown: bool = True
 
 def sweep_report(out: Path, markdown: bool = True) -> str:
     """The table of the sweep in directory ``out``, recomputed from its run directories
-    for the sweep and overrides recorded there."""
+    for the sweep and overrides recorded there; as markdown, with the tables of its
+    metric families under it (intervals over seeds, differences to the first cell)."""
     record_path = Path(out) / SWEEP_RECORD
     try:
         record = json.loads(record_path.read_text())
@@ -707,7 +708,8 @@ def sweep_report(out: Path, markdown: bool = True) -> str:
     suite = sweep.suite()
     configs = resolved_configs(suite, record["overrides"])
     cells = [Cell(m, s, configs[m, s], run_path(Path(out), m, s)) for m in suite.methods for s in suite.seeds]
-    return format_table(sweep, collect(sweep, suite, Path(out), cells), markdown)
+    table = format_table(sweep, collect(sweep, suite, Path(out), cells), markdown)
+    return table + "\n\n" + statistics(Path(out), suite) if markdown else table
 
 
 def interrupted_line(exc: KeyboardInterrupt) -> tuple[str, int]:
