@@ -509,7 +509,7 @@ def cmd_partition(ns: argparse.Namespace) -> int:
 def cmd_report(ns: argparse.Namespace) -> int:
     from .experiments.report import report
     from .experiments.suite import SUITE_RECORD, suite_report
-    from .experiments.sweep import SWEEP_RECORD, sweep_report
+    from .experiments.sweep import SWEEP_RECORD, sweep_report, sweep_statistics
 
     if ns.update:
         from .experiments.markdown import update
@@ -532,7 +532,7 @@ def cmd_report(ns: argparse.Namespace) -> int:
         print(suite_report(paths[0]))
         return 0
     if ns.markdown and len(paths) == 1 and (paths[0] / SWEEP_RECORD).is_file():
-        print(sweep_report(paths[0]))
+        print(sweep_report(paths[0]) + "\n\n" + sweep_statistics(paths[0]))
         return 0
     print(report(paths, target=ns.target, target_from=ns.target_from, markdown=ns.markdown, clients=ns.clients))
     return 0

@@ -30,10 +30,10 @@ FIGURES = ("curves", "clients", "partition")
 def table(folder: Path) -> str:
     """The markdown table of a suite or sweep directory."""
     from .suite import SUITE_RECORD, suite_report
-    from .sweep import SWEEP_RECORD, sweep_report
+    from .sweep import SWEEP_RECORD, sweep_report, sweep_statistics
 
     if (folder / SWEEP_RECORD).is_file():
-        return sweep_report(folder) + f"\n\nregenerate with `contrafl report {folder} --markdown`"
+        return f"{sweep_report(folder)}\n\n{sweep_statistics(folder)}\n\nregenerate with `contrafl report {folder} --markdown`"
     if (folder / SUITE_RECORD).is_file():
         return suite_report(folder)
     raise ConfigError(f"{folder} has no {SUITE_RECORD} or {SWEEP_RECORD}; a report block needs the --out directory of a suite or sweep")

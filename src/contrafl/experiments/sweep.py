@@ -697,19 +697,28 @@ def format_table(sweep: Sweep, results: Mapping[str, Any], markdown: bool = True
 
 def sweep_report(out: Path, markdown: bool = True) -> str:
     """The table of the sweep in directory ``out``, recomputed from its run directories
-    for the sweep and overrides recorded there; as markdown, with the tables of its
-    metric families under it (intervals over seeds, differences to the first cell)."""
-    record_path = Path(out) / SWEEP_RECORD
+    for the sweep and overrides recorded there."""
+    sweep, overrides = _read_record(Path(out))
+    suite = sweep.suite()
+    configs = resolved_configs(suite, overrides)
+    cells = [Cell(m, s, configs[m, s], run_path(Path(out), m, s)) for m in suite.methods for s in suite.seeds]
+    return format_table(sweep, collect(sweep, suite, Path(out), cells), markdown)
+
+
+def sweep_statistics(out: Path) -> str:
+    """The tables of the metric families of the sweep in ``out`` (intervals over seeds,
+    differences to its first cell; :func:`contrafl.experiments.suite.statistics`)."""
+    return statistics(Path(out), _read_record(Path(out))[0].suite())
+
+
+def _read_record(out: Path) -> tuple[Sweep, list[str]]:
+    """The sweep and overrides recorded in ``out``."""
+    record_path = out / SWEEP_RECORD
     try:
         record = json.loads(record_path.read_text())
-        sweep = Sweep(**record["sweep"])
+        return Sweep(**record["sweep"]), record["overrides"]
     except (OSError, ValueError, TypeError, KeyError):
         raise ConfigError(f"{record_path} is missing or unreadable; run the sweep with `contrafl sweep` first") from None
-    suite = sweep.suite()
-    configs = resolved_configs(suite, record["overrides"])
-    cells = [Cell(m, s, configs[m, s], run_path(Path(out), m, s)) for m in suite.methods for s in suite.seeds]
-    table = format_table(sweep, collect(sweep, suite, Path(out), cells), markdown)
-    return table + "\n\n" + statistics(Path(out), suite) if markdown else table
 
 
 def interrupted_line(exc: KeyboardInterrupt) -> tuple[str, int]:
