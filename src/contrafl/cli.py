@@ -655,7 +655,7 @@ def _run_suite(suite, out: Path, overrides: list[str], methods: list[str] | None
     tabulated by family only, then one per metric family) and figures, or one line when
     it is interrupted."""
     from .engine.signals import exit_code, signal_name
-    from .experiments.suite import format_table, run_suite, statistics
+    from .experiments.suite import run_suite
 
     try:
         results = run_suite(suite, out, overrides, methods, progress=sys.stdout)
@@ -667,9 +667,7 @@ def _run_suite(suite, out: Path, overrides: list[str], methods: list[str] | None
             file=sys.stderr,
         )
         return exit_code(exc)
-    if not suite.families_only:
-        print(format_table(suite, results) + "\n")
-    print(statistics(out, suite))
+    print((out / "results.md").read_text().rstrip())  # the suite's tables, as run_suite wrote them
     print(f"figures, one metric each: {', '.join(results['figures']) or 'none (no evaluated run)'}")
     print(done)
     if results["failed"]:

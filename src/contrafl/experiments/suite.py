@@ -59,6 +59,7 @@ from ..errors import ConfigError, ContraflError, one_line
 from ..words import count
 from ..metrics.history import last_row, last_value, mean_std, rounds_to_reach
 from .eta import RunTimes, calibrate_each, seconds_left
+from .groups import Group, group_runs
 from .report import pm, read_run
 
 
@@ -269,10 +270,11 @@ def run_suite(
     out.mkdir(parents=True, exist_ok=True)
     record = {"suite": dataclasses.asdict(suite), "overrides": list(overrides)}
     (out / SUITE_RECORD).write_text(json.dumps(record, indent=2) + "\n")
-    results["figures"] = [str(p) for p in plot_families(out)]
+    groups = group_runs([out])  # read once for the figures and the families' tables
+    results["figures"] = [str(p) for p in plot_families(groups, out)]
     (out / "results.json").write_text(to_json(results, indent=2) + "\n")
     paper = "" if suite.families_only else format_table(suite, results) + "\n\n"
-    (out / "results.md").write_text(paper + statistics(out, suite) + "\n")
+    (out / "results.md").write_text(paper + statistics(groups, suite) + "\n")
     return results
 
 
@@ -480,28 +482,26 @@ def suite_report(out: Path) -> str:
     runs = sum(e["seeds"] for e in results["methods"].values())
     note = f"{runs} completed runs ({'; '.join(executors)}); regenerate with `contrafl report {out} --markdown`"
     paper = "" if suite.families_only else format_table(suite, results, detailed=True) + "\n\n"
-    return paper + statistics(Path(out), suite) + "\n\n" + note
+    return paper + statistics(group_runs([Path(out)]), suite) + "\n\n" + note
 
 
-def statistics(out: Path, suite: Suite) -> str:
-    """The tables of the metric families of the runs in ``out``, one per family, with
-    bootstrap intervals over seeds and paired differences to the suite's baseline
+def statistics(groups: Sequence[Group], suite: Suite) -> str:
+    """The tables of the metric families of ``groups`` (a suite directory's runs,
+    :func:`~contrafl.experiments.groups.group_runs`), one per family, with bootstrap
+    intervals over seeds and paired differences to the suite's baseline
     (:mod:`contrafl.experiments.comparison`)."""
     from .comparison import family_tables, markdown
-    from .groups import group_runs
 
-    return "\n\n".join(markdown(t) for t in family_tables(group_runs([out]), suite.baseline_method()))
+    return "\n\n".join(markdown(t) for t in family_tables(groups, suite.baseline_method()))
 
 
-def plot_families(out: Path) -> list[Path]:
-    """``curves-<metric>.png`` in ``out`` for each metric family of its runs: the mean over
-    seeds per round with a ± std band, one metric on each figure's axis; a figure of a
-    family no run evaluated any more is removed."""
+def plot_families(groups: Sequence[Group], out: Path) -> list[Path]:
+    """``curves-<metric>.png`` in ``out`` for each metric family of ``groups`` (the runs in
+    ``out``): the mean over seeds per round with a ± std band, one metric on each
+    figure's axis; a figure of a family no run evaluated any more is removed."""
     from .comparison import FAMILIES
-    from .groups import group_runs
     from .html import curves_figure
 
-    groups = group_runs([out])
     written = []
     for metric in FAMILIES:
         path = out / f"curves-{metric.key}.png"

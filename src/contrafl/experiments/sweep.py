@@ -61,6 +61,7 @@ from ..words import count
 from ..metrics.history import mean_std
 from .eta import RunTimes, calibrate_each, seconds_left
 from .report import METRICS, Metric, _format, count_states, pm, read_run, run_metric
+from .groups import group_runs
 from .suite import Cell, Suite, _inspect, _paths_from, _slug, resolved_configs, run_path, statistics
 
 SWEEP_RECORD = "sweep.json"  # the sweep, its overrides and cells, in its output directory
@@ -708,7 +709,7 @@ def sweep_report(out: Path, markdown: bool = True) -> str:
 def sweep_statistics(out: Path) -> str:
     """The tables of the metric families of the sweep in ``out`` (intervals over seeds,
     differences to its first cell; :func:`contrafl.experiments.suite.statistics`)."""
-    return statistics(Path(out), _read_record(Path(out))[0].suite())
+    return statistics(group_runs([Path(out)]), _read_record(Path(out))[0].suite())
 
 
 def _read_record(out: Path) -> tuple[Sweep, list[str]]:
