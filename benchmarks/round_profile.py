@@ -75,7 +75,7 @@ def main() -> None:
         torch.nn.Conv2d._conv_forward = unfold_conv
 
     from contrafl.config import load_config
-    from contrafl.engine import cuda_graphs
+    from contrafl.execution import cuda_graphs
     from contrafl.engine.setup import prepare
     from contrafl.engine.simulation import Simulation
 

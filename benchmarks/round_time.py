@@ -52,7 +52,7 @@ def measure(p: dict) -> dict:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
         steps.append(row["local_steps"])
-    from contrafl.engine.cuda_graphs import StepGraphs
+    from contrafl.execution.cuda_graphs import StepGraphs
 
     graphs = "off" if not (p["cuda_graphs"] and sim.device.type == "cuda" and sim.executor_name == "vectorized") \
         else f"failed ({StepGraphs.failed})" if StepGraphs.failed else "on"

@@ -117,7 +117,7 @@ def plain_step(algo: str, model_name: str = "moon_cnn", bf16: bool = False):
     from torch.nn import functional as F
 
     from contrafl.algorithms.moon import model_contrastive_loss
-    from contrafl.models.registry import build_model
+    from contrafl.models.build import build_model
 
     def build(frozen: bool):
         model = build_model(model_name, (3, 32, 32), 10).train(not frozen)

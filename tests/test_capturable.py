@@ -76,7 +76,7 @@ def cifar(tmp_path_factory):
 @pytest.mark.parametrize("case", list(ALGORITHMS))
 def test_every_step_can_be_captured_as_a_cuda_graph(case, cifar, monkeypatch):
     from contrafl.data import augment
-    from contrafl.engine import cuda_graphs
+    from contrafl.execution import cuda_graphs
 
     seen = _Operations()
 

@@ -22,7 +22,7 @@ from contrafl.engine.checkpoint import CHECKPOINT_KEYS, FOREIGN, check_client_st
 from contrafl.engine.client_store import ClientStore
 from contrafl.engine.run_dir import RunDir
 from contrafl.engine.setup import prepare
-from contrafl.engine.simulation import load_checkpoint, read_only, resume
+from contrafl.engine.resume import load_checkpoint, read_only, resume
 from contrafl.errors import CheckpointError
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -50,7 +50,7 @@ def cifar(tmp_path):
 def graphs_untried():
     """Each test starts as a new process would: a capture that failed in an earlier test
     (which switches CUDA graphs off for the rest of the process) fails only that test."""
-    from contrafl.engine.cuda_graphs import StepGraphs
+    from contrafl.execution.cuda_graphs import StepGraphs
 
     StepGraphs.failed = None
     yield
@@ -106,7 +106,7 @@ GRAPHED = {
 def step_calls(monkeypatch):
     """Every ``StepGraphs.run`` call from here on: (its StepGraphs, the key, whether it
     replayed a graph)."""
-    from contrafl.engine.cuda_graphs import StepGraphs
+    from contrafl.execution.cuda_graphs import StepGraphs
 
     calls = []
     run = StepGraphs.run
@@ -129,7 +129,7 @@ def test_steps_replayed_as_cuda_graphs_equal_eager_steps(tmp_path, step_calls, c
     computation (MOON's first round, without its contrastive term, has its own).
     Emulated with stand-in graphs on the CPU: 158, 159, 318 and 159 replays for MOON,
     SCAFFOLD, FedRep (two phases) and FedU2 (80 steps a client and round)."""
-    from contrafl.engine.cuda_graphs import StepGraphs
+    from contrafl.execution.cuda_graphs import StepGraphs
 
     write_cifar10(tmp_path / "cifar-10-batches-py", rows=512, test_rows=16)
     args = [f"data_dir={tmp_path}", "dataset=cifar10", "allow_subset=true", "batch_size=8", "partition=iid",
@@ -165,7 +165,7 @@ def test_padded_steps_replay_one_graph_per_phase(tmp_path, step_calls, case):
     """With ``pad_finished_clients`` clients with different numbers of steps train as they
     do in eager steps without it, and in every phase all steps but the first are
     replayed from one graph (the one of all the chunk's clients)."""
-    from contrafl.engine.cuda_graphs import StepGraphs
+    from contrafl.execution.cuda_graphs import StepGraphs
 
     write_cifar10(tmp_path / "cifar-10-batches-py", rows=512, test_rows=16)
     args = [f"data_dir={tmp_path}", "dataset=cifar10", "allow_subset=true", "batch_size=8",
@@ -191,7 +191,7 @@ def test_mixed_steps_replay_a_graph_for_each_group(tmp_path, step_calls, monkeyp
     convolutions of the global model, shared by the clients, run over other batches
     and round otherwise: on the CPU the two groupings differ by 1.0e-4 after these two
     rounds, the sequential and vectorized executors by 1.1e-3."""
-    from contrafl.engine.cuda_graphs import StepGraphs
+    from contrafl.execution.cuda_graphs import StepGraphs
     from test_executors import _record_gathers
 
     write_cifar10(tmp_path / "cifar-10-batches-py", rows=512, test_rows=16)

@@ -24,7 +24,7 @@ from contrafl.engine.setup import check_vectorizable, resolve
 from contrafl.errors import ConfigError
 from contrafl.models.base import FedModel
 from contrafl.models.custom import vectorizable
-from contrafl.models.registry import build_model, model_spec
+from contrafl.models.build import build_model, model_spec
 from test_resume import KILLER
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "extending.md"

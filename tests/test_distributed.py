@@ -26,9 +26,10 @@ from contrafl.algorithms.registry import ALGORITHMS
 from contrafl.cli import main, serve_rank
 from contrafl.config import load_config
 from contrafl.errors import ConfigError
-from contrafl.engine import distributed
-from contrafl.engine.distributed import assign
-from contrafl.engine.partial import restore
+from contrafl.execution.clients import LocalClients
+from contrafl.execution import distributed
+from contrafl.execution.distributed import assign
+from contrafl.execution.partial import restore
 from contrafl.engine.run_dir import RunDir
 from contrafl.engine.setup import prepare
 from contrafl.engine.simulation import Simulation
@@ -86,8 +87,8 @@ def test_a_distributed_run_equals_the_sequential_one_and_repeats_itself_bit_for_
         started = []
         start = distributed.start
 
-        def keep(sim, start=start):
-            started.append(start(sim))
+        def keep(*args, start=start):
+            started.append(start(*args))
             return started[-1]
 
         distributed.start = keep
@@ -111,12 +112,36 @@ def test_a_distributed_run_equals_the_sequential_one_and_repeats_itself_bit_for_
         torch.testing.assert_close(runs["ranks"].store.get(cid), runs["sequential"].store.get(cid), rtol=1e-4, atol=1e-5)
 
 
+def test_a_worker_serves_its_clients_without_a_round_loop(tmp_path, monkeypatch):
+    """The workers train their shares with LocalClients of their own and never build a
+    Simulation (the round loop): a worker that tried would fail the run."""
+    parent, init = os.getpid(), Simulation.__init__
+    served = multiprocessing.get_context("fork").Queue()
+    train_locally = LocalClients.train_locally
+
+    def only_rank_0(self, *args, **kwargs):
+        assert os.getpid() == parent, "a worker built a Simulation"
+        init(self, *args, **kwargs)
+
+    def counted(self, t, cids, *args, **kwargs):
+        if os.getpid() != parent:
+            served.put((type(self).__name__, len(cids)))
+        return train_locally(self, t, cids, *args, **kwargs)
+
+    monkeypatch.setattr(Simulation, "__init__", only_rank_0)  # the forked workers inherit the patches
+    monkeypatch.setattr(LocalClients, "train_locally", counted)
+    sim = Simulation(prepare(load_config(None, [*MOON, "executor=distributed", "workers=2"])), RunDir(tmp_path / "run"))
+    assert sim.run()["status"] == "completed"
+    seen = [served.get(timeout=10) for _ in range(served.qsize())] if served.qsize() else []
+    assert seen and {name for name, _ in seen} == {"LocalClients"} and sum(n for _, n in seen) > 0
+
+
 def test_ranks_that_stack_their_share_equal_the_vectorized_run(tmp_path, monkeypatch):
     """``rank_executor=vectorized``: each rank trains its share of the round as one stack
     (as one process would on a GPU, where ``auto`` chooses it); the run equals the
     vectorized executor's in one process to float tolerance, and rank 0 trained its
     share stacked."""
-    from contrafl.engine.vectorized import VectorizedExecutor
+    from contrafl.execution.vectorized import VectorizedExecutor
 
     stacked = []
     train = VectorizedExecutor.train
@@ -199,14 +224,14 @@ def test_killed_in_the_middle_of_a_round_resumes_to_the_same_bytes(tmp_path):
 def on_the_workers(monkeypatch, t: int, act) -> None:
     """``act()`` in each forked worker as it is given round ``t``'s clients (``t``
     counted from 0), before they train: the workers inherit the patch."""
-    parent, train_locally = os.getpid(), Simulation.train_locally
+    parent, train_locally = os.getpid(), LocalClients.train_locally
 
     def acting(self, round_, *args, **kwargs):
         if os.getpid() != parent and round_ == t:
             act()
         return train_locally(self, round_, *args, **kwargs)
 
-    monkeypatch.setattr(Simulation, "train_locally", acting)
+    monkeypatch.setattr(LocalClients, "train_locally", acting)
 
 
 @pytest.fixture(scope="module")
@@ -246,14 +271,14 @@ def test_a_rank_busy_for_longer_than_the_process_groups_timeout_is_waited_for(tm
     longer than that timeout, are waited for (the run failed with `rank 0 is gone
     (Timed out waiting ... for send operation to complete)` while Gloo's waits used it)."""
     monkeypatch.setattr(distributed, "TIMEOUT", datetime.timedelta(seconds=1))
-    parent, train_locally = os.getpid(), Simulation.train_locally
+    parent, train_locally = os.getpid(), LocalClients.train_locally
 
     def slow(self, t, *args, **kwargs):
         if t == (1 if os.getpid() == parent else 2):
             time.sleep(1.5)
         return train_locally(self, t, *args, **kwargs)
 
-    monkeypatch.setattr(Simulation, "train_locally", slow)  # the forked worker inherits it
+    monkeypatch.setattr(LocalClients, "train_locally", slow)  # the forked worker inherits it
     assert main(["run", "--quiet", "--out", str(tmp_path / "run"), *MOON, "executor=distributed", "workers=2"]) == 0
     assert [m["round"] for m in metrics(tmp_path / "run")] == [1, 2, 3, 4]
 
@@ -319,7 +344,7 @@ def test_a_worker_stopped_in_round_3_stops_the_run_and_it_resumes_to_the_same_by
     its handler records it) is its answer to the round's packet: rank 0 stops the run
     as a stop of its own would (status interrupted, 128 + the signal, the resume
     command), and the resumed run ends byte-identical to the uninterrupted one."""
-    from contrafl.engine import signals
+    from contrafl.execution import signals
 
     settings = [*MOON, "executor=distributed", "workers=2"]
     on_the_workers(monkeypatch, 2, lambda: signals._record(signal.SIGTERM, None))
@@ -340,9 +365,9 @@ def test_a_stop_requested_while_a_worker_sends_its_answer_stops_the_run_as_inter
     nor ends the worker before rank 0 has taken its last word: the answer arrives whole,
     the stop is the worker's answer to the next packet, and rank 0 stops the run as
     interrupted, not as a lost rank; the run resumes to the same bytes."""
-    from contrafl.engine import signals
+    from contrafl.execution import signals
 
-    parent, send, train_locally = os.getpid(), distributed.send, Simulation.train_locally
+    parent, send, train_locally = os.getpid(), distributed.send, LocalClients.train_locally
     answers = []
 
     def stopped_while_sending(obj, peer):
@@ -358,7 +383,7 @@ def test_a_stop_requested_while_a_worker_sends_its_answer_stops_the_run_as_inter
             time.sleep(1.0)
 
     monkeypatch.setattr(distributed, "send", stopped_while_sending)
-    monkeypatch.setattr(Simulation, "train_locally", slow_rank_0)
+    monkeypatch.setattr(LocalClients, "train_locally", slow_rank_0)
     run = tmp_path / "run"
     capsys.readouterr()
     assert main(["run", "--quiet", "--out", str(run), *MOON, "executor=distributed", "workers=2"]) == 128 + signal.SIGTERM
@@ -422,7 +447,7 @@ def test_a_worker_whose_stop_or_error_finds_rank_0_gone_ends_with_its_own(monkey
     rank 0's `interrupted by SIGINT`."""
     from types import SimpleNamespace
 
-    from contrafl.engine.signals import Interrupted
+    from contrafl.execution.signals import Interrupted
 
     raised = {"stop": Interrupted(signal.SIGINT), "user error": ConfigError("lr=-1 is invalid"), "bug": ValueError("boom")}[ending]
     told = []
@@ -502,14 +527,14 @@ def test_a_failing_worker_ends_the_run_with_its_error(tmp_path, monkeypatch):
     """A worker whose training raises: rank 0 raises its first line (the run directory
     records the run as failed) and the workers are gone."""
     parent = os.getpid()
-    train_locally = Simulation.train_locally
+    train_locally = LocalClients.train_locally
 
     def broken(self, *args, **kwargs):
         if os.getpid() != parent:
             raise RuntimeError("the GPU caught fire")
         return train_locally(self, *args, **kwargs)
 
-    monkeypatch.setattr(Simulation, "train_locally", broken)  # the forked worker inherits it
+    monkeypatch.setattr(LocalClients, "train_locally", broken)  # the forked worker inherits it
     sim = Simulation(prepare(load_config(None, [*MOON, "executor=distributed", "workers=2"])), RunDir(tmp_path / "run"))
     with pytest.raises(distributed.WorkerError, match="a worker failed with RuntimeError: the GPU caught fire"):
         sim.run()
@@ -575,7 +600,7 @@ def test_another_executor_under_torchrun_is_one_line(tmp_path, capsys, monkeypat
 
 
 def test_what_a_rank_that_ended_before_round_1_tells_the_others():
-    from contrafl.engine.signals import Interrupted
+    from contrafl.execution.signals import Interrupted
 
     assert distributed._why(Interrupted(signal.SIGTERM)) == "was stopped by SIGTERM before round 1"
     assert distributed._why(ConfigError("lr='abc' is invalid\nsee docs")) == "could not start the run: lr='abc' is invalid"

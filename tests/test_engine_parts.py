@@ -4,7 +4,7 @@ import numpy as np
 import torch
 
 from contrafl.engine.client_store import ClientStore, state_bytes
-from contrafl.engine.plan import make_plan
+from contrafl.execution.plan import make_plan
 from contrafl.rng import derive_seed, generator
 from contrafl.engine.sampling import sample_schedule
 

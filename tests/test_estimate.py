@@ -243,7 +243,7 @@ def test_ranks_that_stack_their_share_are_timed_with_a_ranks_threads(monkeypatch
     import torch
 
     from contrafl.cores import cores_each
-    from contrafl.engine.vectorized import VectorizedExecutor
+    from contrafl.execution.vectorized import VectorizedExecutor
 
     seen = []
     train = VectorizedExecutor.train

@@ -20,14 +20,14 @@ from torch.utils import _pytree as pytree
 from contrafl.algorithms.base import LocalTask, Stage, TrainResult
 from contrafl.data.augment import eval_transform
 from contrafl.config import load_config
-from contrafl.engine.executor import FunctionalNet, Job, PhaseRun, SequentialExecutor, Workload
-from contrafl.engine.optim import SGD, Adam
-from contrafl.engine.plan import make_plan
+from contrafl.execution.executor import FunctionalNet, Job, PhaseRun, SequentialExecutor, Workload
+from contrafl.execution.optim import SGD, Adam
+from contrafl.execution.plan import make_plan
 from contrafl.rng import generator
-from contrafl.engine.vectorized import VectorizedExecutor, stack_trees
+from contrafl.execution.vectorized import VectorizedExecutor, stack_trees
 from contrafl.errors import DataError
 from contrafl.models.base import FedModel
-from contrafl.models.registry import build_model
+from contrafl.models.build import build_model
 
 
 def _model(seed=0):
@@ -268,7 +268,7 @@ def test_chunking_by_memory_gives_the_same_results():
 
 
 def test_parallel_executor_matches_sequential():
-    from contrafl.engine.parallel import ParallelExecutor, balance
+    from contrafl.execution.parallel import ParallelExecutor, balance
 
     assert balance([5, 1, 4, 4], 2) == [[0, 1], [2, 3]]
     assert balance([3], 4) == [[0]]
@@ -293,7 +293,7 @@ def test_results_leave_out_the_optimiser_state_a_run_does_not_keep(executor):
     """persist_optimizer_state=false: no result carries the state (a parallel worker
     would otherwise send Adam's moments of every client through its pipe); the
     parameters are the same as with it."""
-    from contrafl.engine.parallel import ParallelExecutor
+    from contrafl.execution.parallel import ParallelExecutor
 
     model = _model()
     params, buffers = _split(model)
@@ -314,7 +314,7 @@ def test_results_leave_out_the_optimiser_state_a_run_does_not_keep(executor):
 
 
 def _parallel_with_loss(loss):
-    from contrafl.engine.parallel import ParallelExecutor
+    from contrafl.execution.parallel import ParallelExecutor
 
     model = _model()
     params, buffers = _split(model)
@@ -325,7 +325,7 @@ def _parallel_with_loss(loss):
 def test_parallel_executor_reports_worker_failures():
     """The worker's exception is the first line of the error (a run's summary.json keeps
     that line), its traceback follows; a user error keeps its type (one line, exit 2)."""
-    from contrafl.engine.parallel import WorkerError
+    from contrafl.execution.parallel import WorkerError
     from contrafl.errors import one_line
 
     def broken(task, batch, net):
@@ -348,7 +348,7 @@ def test_parallel_executor_reports_worker_failures():
 def test_parallel_executor_stops_waiting_for_a_worker_that_died():
     """A worker killed before it sends its results (the kernel's OOM killer sends
     SIGKILL) is an error, not a wait without end."""
-    from contrafl.engine.parallel import WorkerError
+    from contrafl.execution.parallel import WorkerError
 
     def killed(task, batch, net):
         os.kill(os.getpid(), signal.SIGKILL)
@@ -378,7 +378,7 @@ def test_auto_executor_follows_device_and_clients_per_round(monkeypatch):
 
 
 def test_worker_results_travel_as_one_buffer_and_come_back_equal():
-    from contrafl.engine.parallel import pack, unpack
+    from contrafl.execution.parallel import pack, unpack
 
     result = TrainResult(
         params={"model": {"w": torch.randn(3, 5), "b": torch.randn(7), "scalar": torch.tensor(2.5)}},
@@ -512,8 +512,8 @@ def _record_graphs(monkeypatch, graph: type | None = None) -> list:
     """From now on the vectorized executor's StepGraphs capture stand-in graphs
     (``graph``, by default :class:`_RecordedGraph`), on any device; the list of those
     made, in order."""
-    from contrafl.engine import vectorized
-    from contrafl.engine.cuda_graphs import StepGraphs
+    from contrafl.execution import vectorized
+    from contrafl.execution.cuda_graphs import StepGraphs
 
     made = []
 
@@ -528,7 +528,7 @@ def _record_graphs(monkeypatch, graph: type | None = None) -> list:
 def _record_gathers(monkeypatch) -> list:
     """From now on every group the vectorized executor gathers from its stack to train
     apart (:meth:`_Stack.take`); the list of their client positions, in order."""
-    from contrafl.engine import vectorized
+    from contrafl.execution import vectorized
 
     gathered = []
     take = vectorized._Stack.take
@@ -537,7 +537,7 @@ def _record_gathers(monkeypatch) -> list:
 
 
 def test_step_graphs_warm_up_then_capture_then_replay():
-    from contrafl.engine.cuda_graphs import MIN_REPLAYS, StepGraphs
+    from contrafl.execution.cuda_graphs import MIN_REPLAYS, StepGraphs
 
     done = []
     graphs = StepGraphs(True, new_graph=_RecordedGraph)
@@ -551,7 +551,7 @@ def test_step_graphs_warm_up_then_capture_then_replay():
 
 
 def test_step_graphs_fall_back_to_eager_steps_when_a_capture_fails():
-    from contrafl.engine.cuda_graphs import StepGraphs
+    from contrafl.execution.cuda_graphs import StepGraphs
 
     class Failing(_RecordedGraph):
         fail = True
@@ -593,7 +593,7 @@ def test_mixed_steps_replay_a_graph_for_each_group(monkeypatch, pad):
     group is gathered and trained apart; the results are those of the same steps run
     eagerly, of the CPU's grouping (every group apart) and of the sequential
     executor."""
-    from contrafl.engine import cuda_graphs
+    from contrafl.execution import cuda_graphs
 
     model = _model()
     params, buffers = _split(model)
@@ -641,7 +641,7 @@ def test_arenas_replay_an_earlier_rounds_graphs(monkeypatch):
     each round's values are copied; every round trains as eager steps do. A frozen model
     shared by all clients (each round's own) is copied into the arena, and the tensors it
     came from are left as they were."""
-    from contrafl.engine.vectorized import StepArenas
+    from contrafl.execution.vectorized import StepArenas
 
     model = _model()
     params, buffers = _split(model)
@@ -676,7 +676,7 @@ def test_arenas_replay_an_earlier_rounds_graphs(monkeypatch):
 def _count_calls(monkeypatch, name: str) -> list[int]:
     """From now on, the calls of the vectorized module's function ``name``, counted in
     the one-element list returned."""
-    from contrafl.engine import vectorized
+    from contrafl.execution import vectorized
 
     calls, fn = [0], getattr(vectorized, name)
 
@@ -694,8 +694,8 @@ def test_kept_arenas_probe_a_chunks_memory_once(monkeypatch):
     every round, and sizes them as it did; another computation (another learning rate)
     is probed anew. The probe of which parameters get gradients leaves the global
     random stream as it found it, so training draws the same numbers with or without it."""
-    from contrafl.engine.executor import used_parameters
-    from contrafl.engine.vectorized import StepArenas
+    from contrafl.execution.executor import used_parameters
+    from contrafl.execution.vectorized import StepArenas
 
     model = _model()
     params, buffers = _split(model)
@@ -737,7 +737,7 @@ def test_padded_runs_give_the_unpadded_results():
     """``pad_finished_clients=true`` reaches the vectorized executor of a run, and the run
     (clients of unequal sizes) ends as without it."""
     from conftest import simulate
-    from contrafl.engine.simulation import make_executor
+    from contrafl.execution.clients import make_executor
 
     args = ["executor=vectorized", "partition=dirichlet", "partition.beta=0.3", "local_epochs=2", "algorithm=scaffold"]
     plain, padded = simulate(*args), simulate(*args, "pad_finished_clients=true")
@@ -775,7 +775,7 @@ def test_partial_last_batches_vectorized_equal_the_sequential_run(algorithm):
 
 
 def test_step_graphs_only_on_a_gpu():
-    from contrafl.engine.cuda_graphs import StepGraphs
+    from contrafl.execution.cuda_graphs import StepGraphs
 
     assert not StepGraphs.for_device(torch.device("cpu"), True).enabled
     assert not StepGraphs.for_device(torch.device("cuda"), False).enabled

@@ -12,7 +12,7 @@ from contrafl.algorithms import ALGORITHMS
 from contrafl.algorithms.base import Batch, Federation, Reply, ServerState, TaskView
 from contrafl.algorithms.fedsiam_da import FedSiamDA, FedSiamDAParams, history_term, similarity_weights
 from contrafl.config import load_config
-from contrafl.engine.executor import FunctionalNet
+from contrafl.execution.executor import FunctionalNet
 from contrafl.engine.setup import prepare
 from contrafl.engine.simulation import Simulation
 from contrafl.errors import ConfigError

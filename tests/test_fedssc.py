@@ -11,7 +11,8 @@ from contrafl.algorithms.base import Federation, Reply, ServerState, TrainResult
 from contrafl.algorithms.fedssc import FedSSC, FedSSCParams, class_contrastive_loss, client_class_reps
 from contrafl.config import load_config
 from contrafl.engine.setup import prepare
-from contrafl.engine.simulation import Context, Simulation
+from contrafl.engine.simulation import Simulation
+from contrafl.execution.context import Context
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -18,11 +18,11 @@ from contrafl.algorithms.ldawa import LDAWA, LDAWAParams, divergence_cosines, ld
 from contrafl.algorithms.ssl import nt_xent
 from contrafl.cli import main
 from contrafl.data.augment import eval_transform
-from contrafl.engine.executor import FunctionalNet, Job, SequentialExecutor, Workload
-from contrafl.engine.optim import SGD
-from contrafl.engine.plan import make_plan
+from contrafl.execution.executor import FunctionalNet, Job, SequentialExecutor, Workload
+from contrafl.execution.optim import SGD
+from contrafl.execution.plan import make_plan
 from contrafl.rng import generator
-from contrafl.engine.vectorized import VectorizedExecutor
+from contrafl.execution.vectorized import VectorizedExecutor
 from contrafl.models.base import FedModel, Heads
 
 T = torch.float64

@@ -25,7 +25,8 @@ from contrafl.config import load_config
 from contrafl.data.partition import Partition
 from contrafl.engine.run_dir import RunDir
 from contrafl.engine.setup import own_rows, prepare
-from contrafl.engine.simulation import Simulation, resume
+from contrafl.engine.resume import resume
+from contrafl.engine.simulation import Simulation
 from contrafl.errors import DataError
 from contrafl.flower.client import FlowerClient
 from contrafl.flower.deploy import prepare_run, simulator_threads

@@ -24,7 +24,7 @@ from contrafl.config import load_config  # noqa: E402
 from contrafl.engine.comm import payload_bytes, tensor_bytes  # noqa: E402
 from contrafl.engine.setup import prepare  # noqa: E402
 from contrafl.engine.simulation import Simulation  # noqa: E402
-from contrafl.engine.validate import check_reply  # noqa: E402
+from contrafl.execution.validate import check_reply  # noqa: E402
 from contrafl.flower.codec import (  # noqa: E402
     decode,
     decode_metrics,

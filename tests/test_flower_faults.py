@@ -25,7 +25,8 @@ from contrafl.cli import main  # noqa: E402
 from contrafl.config import load_config  # noqa: E402
 from contrafl.engine.run_dir import RunDir, read_summary  # noqa: E402
 from contrafl.engine.setup import prepare  # noqa: E402
-from contrafl.engine.simulation import ClientOutcome, Simulation  # noqa: E402
+from contrafl.engine.simulation import Simulation  # noqa: E402
+from contrafl.execution.outcomes import ClientOutcome  # noqa: E402
 from contrafl.flower.deploy import APP_DIR, prepare_run, run_config, shared_cores  # noqa: E402
 from contrafl.flower.launch import CONNECTION, FlowerLaunchError, LocalDeployment  # noqa: E402
 from contrafl.flower.lifetime import marked, program  # noqa: E402

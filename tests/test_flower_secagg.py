@@ -375,7 +375,7 @@ def secure_simulation(run_dir: Path, grid_of: Callable[[Path], object], *setting
     from contrafl.config import load_config
     from contrafl.engine.run_dir import RunDir
     from contrafl.engine.setup import prepare
-    from contrafl.engine.simulation import resume
+    from contrafl.engine.resume import resume
     from contrafl.flower.deploy import prepare_run
     from contrafl.flower.server import SecureTransport, sum_spec
 

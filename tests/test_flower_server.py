@@ -25,7 +25,7 @@ from flwr.app import Context, Message, RecordDict  # noqa: E402
 from contrafl.config import load_config  # noqa: E402
 from contrafl.engine.run_dir import RunDir  # noqa: E402
 from contrafl.engine.setup import prepare  # noqa: E402
-from contrafl.engine.simulation import resume  # noqa: E402
+from contrafl.engine.resume import resume  # noqa: E402
 from contrafl.errors import ContraflError  # noqa: E402
 from contrafl.flower import client_app  # noqa: E402
 from contrafl.flower.deploy import prepare_run  # noqa: E402

@@ -90,7 +90,7 @@ def test_workers_answer_as_the_clientapp_does_and_a_killed_one_is_replaced(tmp_p
     # the workers take this process's torch threads (one_thread): results of some runs depend on the count
     nodes = {11 + c: {"partition-id": c, "threads": torch.get_num_threads()} for c in range(3)}
     path = tmp_path / "flower"
-    from contrafl.engine.simulation import resume
+    from contrafl.engine.resume import resume
     from contrafl.flower.deploy import prepare_run
     from contrafl.flower.server import GridTransport
 
@@ -202,7 +202,7 @@ def test_the_clientapp_imports_neither_torch_nor_the_engine():
     out = subprocess.run([sys.executable, "-c", f"import json; {code}"], capture_output=True, text=True, check=True).stdout
     modules = json.loads(out)
     assert not [m for m in modules if m.startswith("torch")]
-    assert not [m for m in modules if m.startswith(("contrafl.engine", "contrafl.algorithms", "contrafl.models", "contrafl.data"))]
+    assert not [m for m in modules if m.startswith(("contrafl.engine", "contrafl.execution", "contrafl.algorithms", "contrafl.models", "contrafl.data"))]
 
 
 @pytest.mark.slow

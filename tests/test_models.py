@@ -15,7 +15,7 @@ import contrafl.models.resnet  # noqa: F401
 from contrafl.errors import ConfigError
 from contrafl.models.layers import max_pool2x2
 from contrafl.models.base import Heads
-from contrafl.models.registry import build_model
+from contrafl.models.build import build_model
 
 # ---------------------------------------------------------------------------------------------
 # State dicts and shapes

@@ -26,7 +26,8 @@ from contrafl.data.registry import DATASETS, DatasetSpec, LoadRequest
 from contrafl.data.user import CommonOptions, Part, assemble, natural_key
 from contrafl.engine.run_dir import RunDir
 from contrafl.engine.setup import prepare, prepare_node
-from contrafl.engine.simulation import Simulation, resume
+from contrafl.engine.resume import resume
+from contrafl.engine.simulation import Simulation
 from contrafl.errors import ConfigError, ContraflError, DataError
 from contrafl.flower.client import FlowerClient
 from contrafl.flower.deploy import commands, prepare_run

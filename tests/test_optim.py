@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from contrafl.engine.optim import SGD, Adam
+from contrafl.execution.optim import SGD, Adam
 
 
 def _run_reference(opt_cls, kwargs, params0, grads_seq):

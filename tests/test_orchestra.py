@@ -20,14 +20,14 @@ from contrafl.algorithms.orchestra import Orchestra, OrchestraParams, global_clu
 from contrafl.algorithms.ssl import quadrant, rotate_quarters, target_part
 from contrafl.config import load_config
 from contrafl.data.augment import eval_transform
-from contrafl.engine.executor import FunctionalNet, Job, SequentialExecutor, Workload, draw_noise, noise_generator
-from contrafl.engine.optim import SGD
-from contrafl.engine.plan import make_plan
+from contrafl.execution.executor import FunctionalNet, Job, SequentialExecutor, Workload, draw_noise, noise_generator
+from contrafl.execution.optim import SGD
+from contrafl.execution.plan import make_plan
 from contrafl.rng import generator
 from contrafl.engine.setup import prepare
 from contrafl.engine.simulation import Simulation
-from contrafl.engine.validate import check_reply
-from contrafl.engine.vectorized import VectorizedExecutor
+from contrafl.execution.validate import check_reply
+from contrafl.execution.vectorized import VectorizedExecutor
 from contrafl.models.base import FedModel
 from test_datasets import write_cifar10
 

@@ -6,7 +6,7 @@ import torch
 
 from contrafl.algorithms.aggregation import sample_weights, weighted_average
 from contrafl.algorithms.base import Reply
-from contrafl.engine.partial import IN_MEAN, restore, summed
+from contrafl.execution.partial import IN_MEAN, restore, summed
 
 
 def _reply(cid: int, n: int, value: float) -> Reply:

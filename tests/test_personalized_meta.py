@@ -13,11 +13,11 @@ from contrafl.algorithms.fedala import ALAMemo, FedALA, FedALAParams  # importin
 from contrafl.algorithms.perfedavg import PerFedAvg, PerFedAvgParams
 from contrafl.algorithms.pfedme import PFedMe, PFedMeParams
 from contrafl.data.augment import eval_transform
-from contrafl.engine.executor import FunctionalNet, Job, PhaseRun, SequentialExecutor, Workload
-from contrafl.engine.optim import make_optimizer
-from contrafl.engine.plan import make_plan
+from contrafl.execution.executor import FunctionalNet, Job, PhaseRun, SequentialExecutor, Workload
+from contrafl.execution.optim import make_optimizer
+from contrafl.execution.plan import make_plan
 from contrafl.rng import generator
-from contrafl.engine.vectorized import VectorizedExecutor
+from contrafl.execution.vectorized import VectorizedExecutor
 from contrafl.models.base import FedModel
 
 from conftest import simulate

@@ -28,7 +28,9 @@ from contrafl.config import load_config
 from contrafl.engine.comm import tensor_bytes
 from contrafl.engine.run_dir import RunDir
 from contrafl.engine.setup import prepare
-from contrafl.engine.simulation import Context, Simulation, resume
+from contrafl.engine.resume import resume
+from contrafl.engine.simulation import Simulation
+from contrafl.execution.context import Context
 from contrafl.models.base import ModelOutput
 
 from conftest import simulate

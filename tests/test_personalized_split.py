@@ -22,12 +22,12 @@ from contrafl.algorithms.fedper import FedPer
 from contrafl.algorithms.fedrep import FedRep, FedRepParams
 from contrafl.algorithms.lgfedavg import LGFedAvg
 from contrafl.data.augment import eval_transform
-from contrafl.engine.executor import FunctionalNet, Job, PhaseRun, SequentialExecutor, Workload
-from contrafl.engine.optim import SGD
-from contrafl.engine.plan import make_plan
+from contrafl.execution.executor import FunctionalNet, Job, PhaseRun, SequentialExecutor, Workload
+from contrafl.execution.optim import SGD
+from contrafl.execution.plan import make_plan
 from contrafl.rng import generator
-from contrafl.engine.validate import check_reply
-from contrafl.engine.vectorized import VectorizedExecutor
+from contrafl.execution.validate import check_reply
+from contrafl.execution.vectorized import VectorizedExecutor
 from contrafl.models.base import FedModel
 
 from conftest import simulate

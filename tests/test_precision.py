@@ -12,8 +12,8 @@ import torch
 
 from contrafl.config import load_config
 from contrafl.engine import setup
-from contrafl.engine.executor import AutocastNet, FunctionalNet, Workload
-from contrafl.models.registry import build_model
+from contrafl.execution.executor import AutocastNet, FunctionalNet, Workload
+from contrafl.models.build import build_model
 from contrafl.engine.setup import prepare, resolve, resolve_precision
 from contrafl.engine.simulation import Simulation
 from contrafl.errors import ConfigError

@@ -24,8 +24,9 @@ from contrafl.engine.privacy import (
 from contrafl.engine.run_dir import RunDir
 from contrafl.engine.sampling import sample_schedule, secret_sample
 from contrafl.engine.setup import prepare
-from contrafl.engine.simulation import Simulation, resume
-from contrafl.engine.validate import check_reply, update_norm
+from contrafl.engine.resume import resume
+from contrafl.engine.simulation import Simulation
+from contrafl.execution.validate import check_reply, update_norm
 from contrafl.errors import CheckpointError, ConfigError
 from contrafl.rng import generator
 from test_resume import CLIENTS, SETTINGS, _killed_run, _uninterrupted

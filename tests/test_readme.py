@@ -43,7 +43,7 @@ def test_every_link_within_the_readme_and_to_docs_resolves():
 
 
 SPAWNED = (  # the distributed executor's workers spawned, as on macOS and Windows
-    "import contrafl.engine.distributed as distributed, contrafl.engine.setup as setup\n"
+    "import contrafl.execution.distributed as distributed, contrafl.engine.setup as setup\n"
     "distributed.can_fork = setup.can_fork = lambda: False\n"
 )
 

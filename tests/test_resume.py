@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from contrafl.cli import main
-from contrafl.engine import signals
+from contrafl.execution import signals
 from contrafl.engine.simulation import Simulation
 from test_orchestra import ORCHESTRA, tiny_cifar
 
@@ -33,7 +33,8 @@ KILLER = textwrap.dedent(
     """
     import os, signal, sys
     import torch
-    from contrafl.engine import simulation
+    from contrafl.engine import resumable, simulation
+    from contrafl.execution import replies
     from contrafl.engine.checkpoint import save_atomic
     from contrafl import cli
 
@@ -46,7 +47,7 @@ KILLER = textwrap.dedent(
         return calls == n
 
     if where == "round":  # after the n-th client reply of the run
-        check = simulation.begin_check
+        check = replies.begin_check
 
         def begin_check(reply, spec):
             result = check(reply, spec)
@@ -54,7 +55,7 @@ KILLER = textwrap.dedent(
                 os.kill(os.getpid(), signal.SIGKILL)
             return result
 
-        simulation.begin_check = begin_check
+        replies.begin_check = begin_check
     elif where == "outcome":  # at the n-th stop point of the round loop: one before each round and each outcome
         point = simulation.stop_point
 
@@ -74,7 +75,7 @@ KILLER = textwrap.dedent(
                 os.kill(os.getpid(), signal.SIGKILL)
             save_atomic(obj, path)
 
-        simulation.save_atomic = torn_save
+        resumable.save_atomic = torn_save
     sys.exit(cli.main(["run", *sys.argv[3:]]))
     """
 )

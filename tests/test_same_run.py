@@ -18,9 +18,9 @@ import torch
 from contrafl.config import load_config
 from contrafl.data.base import ArrayDataset
 from contrafl.data.partition import Partition
-from contrafl.engine import distributed
+from contrafl.execution import distributed
 from contrafl.engine.run_dir import RunDir
-from contrafl.engine.same_run import Refused, data_digest, disagreement, identity
+from contrafl.execution.same_run import Refused, data_digest, disagreement, identity
 from contrafl.engine.setup import prepare
 from contrafl.engine.simulation import Simulation
 from test_distributed import MOON, torchrun_path, two_launchers

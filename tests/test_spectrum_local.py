@@ -13,7 +13,8 @@ from contrafl.cli import main
 from contrafl.config import load_config
 from contrafl.engine.run_dir import RunDir
 from contrafl.engine.setup import prepare
-from contrafl.engine.simulation import Simulation, load_checkpoint, read_only
+from contrafl.engine.resume import load_checkpoint, read_only
+from contrafl.engine.simulation import Simulation
 from contrafl.experiments.probe import client_ids, effective_rank
 
 pytestmark = pytest.mark.usefixtures("one_thread")

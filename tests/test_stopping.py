@@ -4,7 +4,7 @@ A handler that raised where the signal landed lost requests: Python swallows exc
 raised in at-fork hooks, finalizers and callbacks (logging's lock release while the
 parallel executor forks its workers), and the run went on to its last round and exited
 0, ``completed``. The handlers now only record the request, and the run stops at its next
-safe point (:mod:`contrafl.engine.signals`).
+safe point (:mod:`contrafl.execution.signals`).
 
 The end-to-end tests run their ``contrafl`` commands in one driver process (one start of
 Python and torch for many runs), which reports the start of every round of a run to be
@@ -221,7 +221,7 @@ def test_a_signal_handled_in_an_at_fork_hook_stops_run_and_suite(tmp_path, drive
 
 
 def test_a_request_waits_for_the_next_stop_point():
-    from contrafl.engine.signals import Interrupted, exit_code, interrupts, stop_point
+    from contrafl.execution.signals import Interrupted, exit_code, interrupts, stop_point
 
     with pytest.raises(Interrupted) as stopped:
         with interrupts():
@@ -237,7 +237,7 @@ def test_a_request_waits_for_the_next_stop_point():
 
 
 def test_a_request_pending_at_the_end_of_the_block_is_raised_there():
-    from contrafl.engine.signals import Interrupted, interrupts
+    from contrafl.execution.signals import Interrupted, interrupts
 
     reached = []
     with pytest.raises(Interrupted) as stopped:
@@ -257,7 +257,7 @@ def test_a_request_pending_at_the_end_of_the_block_is_raised_there():
 
 
 def test_a_second_ctrl_c_stops_at_once():
-    from contrafl.engine.signals import Interrupted, exit_code, interrupts
+    from contrafl.execution.signals import Interrupted, exit_code, interrupts
 
     reached = []
     with pytest.raises(KeyboardInterrupt) as stopped:
@@ -272,7 +272,7 @@ def test_a_second_ctrl_c_stops_at_once():
 
 def test_ignored_signals_stay_ignored():
     """``nohup contrafl run``: a closed terminal's SIGHUP does not stop the run."""
-    from contrafl.engine.signals import interrupts, stop_point
+    from contrafl.execution.signals import interrupts, stop_point
 
     previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
     try:

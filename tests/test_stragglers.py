@@ -12,7 +12,7 @@ import torch
 
 from contrafl.cli import main
 from contrafl.config import load_config
-from contrafl.engine.plan import make_plan
+from contrafl.execution.plan import make_plan
 from contrafl.engine.setup import prepare
 from contrafl.engine.simulation import Simulation
 from contrafl.errors import ConfigError

@@ -16,7 +16,7 @@ import pytest
 from contrafl.cli import main
 from contrafl.config import EXECUTION_SETTINGS, fingerprint, load_config
 from contrafl.engine import tracking
-from contrafl.engine.signals import Interrupted
+from contrafl.execution.signals import Interrupted
 from contrafl.engine.simulation import Simulation
 from contrafl.engine.tracking import CSVTracker, Tracking, flatten
 from contrafl.errors import ConfigError

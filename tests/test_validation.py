@@ -15,7 +15,7 @@ from contrafl.config import load_config
 from contrafl.engine.checkpoint import load_safe
 from contrafl.engine.setup import prepare
 from contrafl.engine.simulation import Simulation
-from contrafl.engine.validate import begin_check, check_reply, finish_checks, norm_outliers, update_norm
+from contrafl.execution.validate import begin_check, check_reply, finish_checks, norm_outliers, update_norm
 from contrafl.errors import CheckpointError, ClientUpdateError
 
 from conftest import FAST, simulate
@@ -282,7 +282,7 @@ def test_forged_label_counts_are_refused_and_honest_ones_pass():
     client trained on (its samples times the local epochs), or a negative count, is
     refused with the reason; under dp=local with dp.labels=clear the bound is the
     largest client's."""
-    from contrafl.engine.validate import count_problem
+    from contrafl.execution.validate import count_problem
 
     for extra in ([], ["dp=local", "dp.labels=clear", "dp.clip=5", "dp.noise_multiplier=0.01"]):
         sim = Simulation(prepare(load_config(None, [*FAST, "algorithm=fedcrl", "rounds=1", "executor=sequential", "local_epochs=2", *extra])))

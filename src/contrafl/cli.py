@@ -104,11 +104,11 @@ def autoresumed(ns: argparse.Namespace) -> argparse.Namespace:
 def _ranks_met() -> contextlib.AbstractContextManager[None]:
     """Under torchrun (``RANK`` and ``WORLD_SIZE`` set), the process group joined first,
     so that a rank that cannot start the run tells the others
-    (:func:`~contrafl.engine.distributed.launched_run`); otherwise nothing (and no
+    (:func:`~contrafl.execution.distributed.launched_run`); otherwise nothing (and no
     torch import before a configuration's quick errors)."""
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         return contextlib.nullcontext()
-    from .engine import distributed
+    from .execution import distributed
 
     return distributed.launched_run()
 
@@ -123,7 +123,8 @@ def start_run(ns: argparse.Namespace) -> int:
     if ns.out:
         check_output(Path(ns.out), "--out")
 
-    from .engine import distributed, estimate
+    from .engine import estimate
+    from .execution import distributed
     from .engine.progress import Progress
     from .engine.run_dir import RunDir, default_run_dir
     from .engine.privacy import require_accounting
@@ -169,11 +170,11 @@ def resume_run(ns: argparse.Namespace) -> int:
     """``contrafl run --resume RUN_DIR [KEY=VALUE...]``: continue from the last checkpoint;
     with ``rounds=N`` above the run's rounds, extend the run (completed or stopped) to N."""
     from .config import EXECUTION_SETTINGS
-    from .engine import distributed
+    from .execution import distributed
     from .engine.progress import Progress
     from .engine.run_dir import RunDir, read_summary
     from .engine.setup import prepare
-    from .engine.simulation import resume
+    from .engine.resume import resume
     from .engine.tracking import require
 
     config_path, overrides = _split_run_args(ns.args)
@@ -234,13 +235,16 @@ def serve_rank(setup) -> int | None:
     """Under torchrun, a rank other than 0 serves the run of rank 0 (which writes the run
     directory and prints): its exit status once it has served it; None for rank 0 and
     outside torchrun. Losing rank 0 is one line, as rank 0's run resumes."""
-    from .engine import distributed
+    import functools
+
+    from .engine.simulation import worker_clients
+    from .execution import distributed
 
     env = distributed.launched()
     if env is None or env[0] == 0:
         return None
     try:
-        distributed.serve_launched(setup, *env)
+        distributed.serve_launched(functools.partial(worker_clients, setup), *env)
     except distributed.RankLost as exc:
         print(f"contrafl: error: {exc}; rank {env[0]} ends with it (`contrafl run --resume RUN` on every machine continues the run)", file=sys.stderr)
         return EXIT_FAILED
@@ -249,8 +253,8 @@ def serve_rank(setup) -> int | None:
 
 def run_simulation(sim, quiet: bool) -> int:
     """Run ``sim`` and turn how it ended into a message and an exit status."""
-    from .engine.distributed import RankLost
-    from .engine.signals import exit_code, signal_name
+    from .execution.distributed import RankLost
+    from .execution.signals import exit_code, signal_name
 
     where = sim.run_dir.path
     try:
@@ -654,7 +658,7 @@ def _run_suite(suite, out: Path, overrides: list[str], methods: list[str] | None
     """Run a suite with progress; its tables (the suite's own layout, unless it is
     tabulated by family only, then one per metric family) and figures, or one line when
     it is interrupted."""
-    from .engine.signals import exit_code, signal_name
+    from .execution.signals import exit_code, signal_name
     from .experiments.suite import run_suite
 
     try:
@@ -697,7 +701,13 @@ def build_parser() -> argparse.ArgumentParser:
         description="Federated learning on non-IID data, centred on contrastive methods.",
         formatter_class=fmt,
     )
-    parser.add_argument("--version", action="version", version=f"contrafl {__version__}")
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:  # the installed distribution's version (pyproject.toml's, as pip installed it)
+        installed = version("contrafl")
+    except PackageNotFoundError:  # run from a source tree that pip has not installed
+        installed = __version__
+    parser.add_argument("--version", action="version", version=f"contrafl {installed}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
@@ -1060,7 +1070,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"contrafl: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt as exc:
-        from .engine.signals import exit_code, signal_name
+        from .execution.signals import exit_code, signal_name
 
         print(f"\ncontrafl: interrupted by {signal_name(exc)}", file=sys.stderr)
         return exit_code(exc)

@@ -61,6 +61,7 @@ class Registry(Generic[T]):
         return self._packages.get(self._folded.get(fold(name), name))
 
     def add(self, name: str, item: T) -> T:
+        """Register ``item`` as ``name`` and return it; ValueError if the name (folded) is taken."""
         if fold(name) in self._folded:
             raise ValueError(f"{self.kind} '{name}' is registered twice (as '{self._folded[fold(name)]}')")
         self._items[name] = item
@@ -87,10 +88,12 @@ class Registry(Generic[T]):
         return self._items[self.canonical(name)]
 
     def names(self) -> list[str]:
+        """The registered names, built-ins first, in registration order."""
         self._load_plugins()
         return list(self._items)
 
     def items(self) -> Iterator[tuple[str, T]]:
+        """``(name, item)`` pairs of every registered item, built-ins first."""
         self._load_plugins()
         return iter(list(self._items.items()))
 

@@ -280,6 +280,7 @@ def spec_of(tree: Any) -> Any:
 
 
 def dtype_name(dtype: torch.dtype) -> str:
+    """The name of ``dtype`` without its ``torch.`` prefix (``float32``)."""
     return str(dtype).removeprefix("torch.")
 
 
@@ -308,7 +309,7 @@ class ServerState:
 class Algorithm:
     """Base class of federated algorithms; subclasses override what differs from FedAvg.
 
-    Class attributes:
+    Attributes:
         name, summary, paper: registry name, one-line description and reference.
         Params: dataclass of hyperparameters (``algorithm.<name>=...``).
         vectorizable: the local objective can run under ``torch.func.vmap``.
@@ -342,6 +343,8 @@ class Algorithm:
     partial_work: ClassVar[bool] = False
 
     def __init__(self, params: Any, federation: Federation) -> None:
+        """An algorithm with its validated hyperparameters ``params`` (an instance of
+        :attr:`Params`) for ``federation``."""
         self.params = params
         self.federation = federation
 
@@ -412,6 +415,8 @@ class Algorithm:
 
     # -- server ------------------------------------------------------------------------
     def init_server(self, model: StateDict) -> ServerState:
+        """The server's state before round 0, from the initial global ``model``: by default
+        the model alone (algorithms add what they keep in :attr:`ServerState.extras`)."""
         return ServerState(model)
 
     def broadcast(self, server: ServerState, round: int) -> dict[str, Any]:
@@ -426,11 +431,13 @@ class Algorithm:
         return message
 
     def aggregate(self, server: ServerState, replies: list[Reply], round: int) -> ServerState:
+        """The server's state after ``round`` from the valid ``replies`` of its clients
+        (FedAvg: ``w^{t+1} = sum_k n_k w_k / sum_k n_k``); every algorithm defines it."""
         raise NotImplementedError
 
     def reply_spec(self, message: dict[str, Any]) -> dict[str, Any]:
         """The structure of a valid reply payload to ``message``, as a tree of
-        :class:`TensorSpec` (checked by :mod:`contrafl.engine.validate` before
+        :class:`TensorSpec` (checked by :mod:`contrafl.execution.validate` before
         aggregation): by default the model, shaped like the broadcast one."""
         return {"model": spec_of(message["model"])}
 
@@ -442,6 +449,8 @@ class Algorithm:
     def client_begin(
         self, message: dict[str, Any], state: dict[str, Any], ctx: ClientContext
     ) -> LocalTask:
+        """The starting point of the client's local training from the received ``message``
+        and its persistent ``state``: by default the received model, all of it trained."""
         params, buffers = self.federation.split(message["model"])
         return LocalTask(params={"model": params}, buffers={"model": buffers})
 
@@ -451,16 +460,23 @@ class Algorithm:
         return [Phase(tuple(self.stages(round)))]
 
     def stages(self, round: int) -> list[Stage]:
+        """The stages of every local step in ``round`` (:meth:`phases`' default phase): by
+        default one stage minimising :meth:`local_loss` over every trained role."""
         return [Stage(self.local_loss)]
 
     def local_loss(
         self, task: TaskView, batch: Batch, net: Network
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The loss of one ``batch`` for the parameters in ``task``, and statistics to log
+        (summed over the local steps), e.g. FedAvg's ``CE(F_w(x), y)``; a function of
+        tensors only (see the module's notes on ``vmap``)."""
         raise NotImplementedError
 
     def client_end(
         self, task: LocalTask, result: TrainResult, state: dict[str, Any], ctx: ClientContext
     ) -> tuple[Reply, dict[str, Any]]:
+        """The client's :class:`Reply` to the server after local training produced
+        ``result`` from ``task``, and its persistent state for the next round it joins."""
         raise NotImplementedError
 
     def personal_model(self, state: dict[str, Any], message: dict[str, Any], ctx: ClientContext) -> PersonalModel | None:

@@ -143,7 +143,7 @@ class FedALA(FedAvg):
     participation) starts from the global model and runs no ALA (PFLlib skips ALA while
     the local and global models coincide, i.e. in round 0).
 
-    Choices where PFLlib (``system/utils/ALA.py``, docs/design/pfllib_reference.md B.8)
+    Choices where PFLlib (``system/utils/ALA.py``, docs/developer/pfllib_reference.md B.8)
     does not decide or differs: ALA's forwards are eval-mode (PFLlib runs its temporary
     model in the mode it was left in, train mode after training; its CNN has neither
     BatchNorm nor dropout, so both agree there), which keeps ALA deterministic and

@@ -115,7 +115,7 @@ class FedAMP(Algorithm):
     parameters) and is evaluated with ``w_i``. A client the server holds no model of
     gets no cloud model and trains plain CE.
 
-    Differences from PFLlib (``docs/design/pfllib_reference.md`` §B.7):
+    Differences from PFLlib (``docs/developer/pfllib_reference.md`` §B.7):
 
     * PFLlib's penalty ``0.5 lambda/alpha_K ||w - u||_2`` is built from detached tensors
       and has no gradient, so its FedAMP trains like Local; here the term is the paper's

@@ -46,15 +46,18 @@ class FedAvg(Algorithm):
     Params = P.NoOptions
 
     def local_loss(self, task: TaskView, batch: Batch, net: Network):
+        """Cross-entropy of the trained model on the batch, ``CE(F_w(x), y)``."""
         loss = supervised_loss(task, batch, net)
         return loss, {"loss": loss.detach()}
 
     def client_end(
         self, task: LocalTask, result: TrainResult, state: dict[str, Any], ctx: ClientContext
     ) -> tuple[Reply, dict[str, Any]]:
+        """The trained model (parameters and buffers), weighted by the client's sample count."""
         return Reply(ctx.cid, ctx.num_samples, {"model": model_state(result)}), state
 
     def aggregate(self, server: ServerState, replies: list[Reply], round: int) -> ServerState:
+        """The sample-weighted mean of the replied models, ``w^{t+1} = sum_k n_k w_k / sum_k n_k``."""
         models = [r.payload["model"] for r in replies]
         return ServerState(weighted_average(models, sample_weights(replies)), server.extras)
 

@@ -101,7 +101,7 @@ class FedGH(Algorithm):
     batch size, the order drawn from (seed, round)) on ``CE(psi(r_i^c), c)``, starting
     from ``psi^t``. A client is evaluated with ``phi_i`` and ``psi^{t+1}``.
 
-    Differences from PFLlib (``docs/design/pfllib_reference.md`` §B.10): PFLlib's server
+    Differences from PFLlib (``docs/developer/pfllib_reference.md`` §B.10): PFLlib's server
     head is the very module of client 0's head, so its training starts from client 0's
     locally trained head; here it starts from the previous global head. PFLlib starts
     every body from one common initialisation; here each client's body starts from its

@@ -216,7 +216,7 @@ class FedPAC(Algorithm):
     with the client's combined head, else its own head (its own initialisation before
     it trains).
 
-    Differences from PFLlib (``docs/design/pfllib_reference.md`` §B.11): the statistics,
+    Differences from PFLlib (``docs/developer/pfllib_reference.md`` §B.11): the statistics,
     variances and heads of client ``i`` are aligned by client id (PFLlib pairs the
     statistics of its selected clients with the heads of a random permutation of them),
     every combination uses the heads as uploaded (PFLlib overwrites them in place one

@@ -1,7 +1,7 @@
 """Orchestra: unsupervised federated learning by global clustering (Lubana, Tang, Kawsar,
 Dick, Mathur, ICML 2022), in two variants: as FedU2's code runs it for its baseline
 (``variant=fedu2``, XeniaLLL/FedU2 ``src/my/algo/fedorche``; facts in
-docs/design/fedu2_reference.md section 2.7) and as the official code does
+docs/developer/fedu2_reference.md section 2.7) and as the official code does
 (``variant=official``, akhilmathurs/orchestra at b6ae718: ``models.py``, ``client.py``,
 ``myfedavg.py``).
 

@@ -69,7 +69,7 @@ class PFedMe(Algorithm):
     ``(eta / eta_p) lam (w - theta)``, so the step is ``w - eta lam (w - theta)``
     (exact up to float rounding).
 
-    Differences from PFLlib (docs/design/pfllib_reference.md, B.1): PFLlib's personalised
+    Differences from PFLlib (docs/developer/pfllib_reference.md, B.1): PFLlib's personalised
     evaluation evaluates the global model (its ``personalized_params`` alias the
     model's own parameters, overwritten by ``w`` and then ``w_g``); here ``theta_i`` is
     evaluated. PFLlib's default ``beta = 0`` never moves the global model; the default

@@ -659,8 +659,12 @@ class FeatureCorruption(Op):
 
 
 TransformFactory = Callable[[Sequence[float] | None, Sequence[float] | None], "Transform | Views"]
+"""An augmentation pipeline's factory: the dataset's per-channel ``(mean, std)`` (``None``:
+not normalised) to its :class:`Transform`, or :class:`Views`."""
 
 AUGMENTATIONS: Registry[TransformFactory] = Registry("augmentation", "contrafl.augmentations")
+"""The augmentation pipelines by name (``augment=NAME``, ``DatasetSpec.augment``): factories
+``(mean, std) -> Transform`` (or ``Views``); plugins join from the entry-point group ``contrafl.augmentations``."""
 
 SUMMARIES = {
     "none": "no augmentation: to float and normalise (any data)",

@@ -30,6 +30,7 @@ class ArrayDataset:
         return int(self.y.shape[0])
 
     def to(self, device: torch.device | str) -> "ArrayDataset":
+        """The same samples and labels on ``device``."""
         return ArrayDataset(self.x.to(device), self.y.to(device))
 
 
@@ -90,6 +91,7 @@ class FederatedDataset:
 
     @property
     def num_classes(self) -> int:
+        """Number of labels, ``len(classes)``."""
         return len(self.classes)
 
     @property
@@ -99,4 +101,5 @@ class FederatedDataset:
 
     @property
     def is_image(self) -> bool:
+        """Whether samples are images ``[C, H, W]`` (the training array is ``[N, C, H, W]``)."""
         return self.train.x.dim() == 4

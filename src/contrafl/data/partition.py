@@ -124,6 +124,8 @@ class PartitionSpec:
 
 
 PARTITIONS: Registry[PartitionSpec] = Registry("partition", "contrafl.partitions", PartitionSpec)
+"""The partitioners by name (``partition=NAME``): contrafl's and Flower Datasets'; plugins join from the
+entry-point group ``contrafl.partitions``."""
 
 
 def _register(spec: PartitionSpec) -> None:
@@ -390,6 +392,7 @@ class Partition:
 
     @property
     def num_clients(self) -> int:
+        """Number of clients, one list of training indices each."""
         return len(self.train)
 
     @classmethod
@@ -464,10 +467,12 @@ class Partition:
         )
 
     def save(self, path: str | Path) -> None:
+        """Write the partition to ``path`` as JSON (``partition.json`` of a run directory)."""
         Path(path).write_text(json.dumps(self.to_json()))
 
     @classmethod
     def load(cls, path: str | Path) -> Partition:
+        """Read a partition written by :meth:`save`; DataError naming the file when it is missing or malformed."""
         path = Path(path)
         try:
             data = json.loads(path.read_text())

@@ -76,3 +76,4 @@ class DatasetSpec:
 
 
 DATASETS: Registry[DatasetSpec] = Registry("dataset", "contrafl.datasets", DatasetSpec)
+"""The datasets by name (``dataset=NAME``); plugins join from the entry-point group ``contrafl.datasets``."""

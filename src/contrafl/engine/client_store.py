@@ -22,27 +22,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from ..errors import CheckpointError
 from .checkpoint import client_files, load_safe, save_atomic
+from ..execution.executor import state_bytes
 from ..files import fsync_dir
-
-
-def state_bytes(obj: Any, _seen: set[int] | None = None) -> int:
-    """Bytes held by the tensors in a nested structure (shared storages counted once)."""
-    seen = set() if _seen is None else _seen
-    if isinstance(obj, torch.Tensor):
-        key = obj.untyped_storage().data_ptr()
-        if key in seen:
-            return 0
-        seen.add(key)
-        return obj.untyped_storage().nbytes()
-    if isinstance(obj, dict):
-        return sum(state_bytes(v, seen) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return sum(state_bytes(v, seen) for v in obj)
-    return 0
 
 
 class ClientStore:

@@ -13,7 +13,7 @@ keeps it as ``estimated_time_s``):
   hundredth).
   Parallel executor: the same with a worker's threads, each round's clients shared
   among the workers as
-  :func:`~contrafl.engine.parallel.balance` shares them, plus the executor's start
+  :func:`~contrafl.execution.parallel.balance` shares them, plus the executor's start
   (forking its workers), measured on one step per worker (a slow step: one step on
   each worker alone, their start included). Vectorized executor: a
   chunk of the round's clients and one client alone, :data:`CALIBRATION_STEPS` steps
@@ -45,13 +45,13 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ..cores import cores_each
-from .distributed import launched
-from .executor import Job, SequentialExecutor
-from .parallel import ParallelExecutor, balance
-from .plan import ClientPlan
+from ..execution.distributed import launched
+from ..execution.executor import Job, SequentialExecutor
+from ..execution.parallel import ParallelExecutor, balance
+from ..execution.plan import ClientPlan
 from .progress import clock_text
 from ..words import count
-from .vectorized import VectorizedExecutor
+from ..execution.vectorized import VectorizedExecutor
 
 if TYPE_CHECKING:
     from .simulation import Simulation
@@ -320,7 +320,7 @@ def _use_a_ranks_threads(world: int) -> None:
 
 def _busiest(per_round: list[list[int]], workers: int) -> list[int]:
     """The steps of each round's busiest worker, its clients shared among ``workers``
-    as :func:`~contrafl.engine.parallel.balance` shares them."""
+    as :func:`~contrafl.execution.parallel.balance` shares them."""
     return [max(sum(steps[i] for i in share) for share in balance(steps, min(workers, len(steps)))) for steps in per_round if steps]
 
 

@@ -3,7 +3,7 @@
 A client's update ``u_i`` is every floating-point tensor of its reply's payload minus the
 tensor of the same position in the message it trained on (the tensor itself where the
 message has none: SCAFFOLD's ``delta_c``, prototypes), as one vector
-(:func:`~contrafl.engine.validate.update_norm`). DP-FedAvg (McMahan et al., ICLR 2018)
+(:func:`~contrafl.execution.validate.update_norm`). DP-FedAvg (McMahan et al., ICLR 2018)
 bounds each client's influence by clipping it to the norm ``C`` (``dp.clip``)::
 
     clip(u_i) = u_i * min(1, C / ||u_i||)
@@ -56,7 +56,7 @@ from ..files import append_line, refuse_link
 from ..rng import generator
 from .checkpoint import is_whole
 from .sampling import clients_per_round
-from .validate import float_leaves, is_label_table, label_tables, map_update, updates, vector_norm
+from ..execution.validate import float_leaves, is_label_table, label_tables, map_update, updates, vector_norm
 
 DP_MODES = {
     "none": "no differential privacy (the default)",

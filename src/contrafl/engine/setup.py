@@ -11,8 +11,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import sys
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,29 +29,15 @@ from ..data.registry import DATASETS, DatasetSpec, LoadRequest
 from ..errors import ConfigError, DataError
 from ..models import build_model
 from ..models.custom import from_user, vectorizable
-from ..models.registry import model_spec as lookup_model, split_options
+from ..models.build import model_spec as lookup_model
+from ..models.registry import split_options
 from ..models.base import FedModel
 from ..rng import derive_seed
 from ..words import count
-from .distributed import can_fork, launched
+from ..execution.context import Setup
+from ..execution.distributed import can_fork, launched
 from .sampling import clients_per_round
 from .privacy import MODES, DPParams
-
-
-@dataclass
-class Setup:
-    """Everything a :class:`~contrafl.engine.simulation.Simulation` is made of."""
-
-    config: Config
-    data: FederatedDataset
-    partition: Partition
-    algorithm: Algorithm
-    model: FedModel
-    model_factory: Callable[[int], FedModel]
-    train_transform: augment.Transform
-    eval_transform: augment.Transform
-    device: torch.device
-    warnings: list[str] = dataclasses.field(default_factory=list)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -626,7 +610,7 @@ def own_rows(setup: Setup, cid: int) -> Setup:
     """``setup`` as client ``cid`` sees it: the training data are its own rows alone
     (its training rows, then its local test rows) and the partition gives it those rows
     in that order and the other clients none. Its batches are the same samples as in the
-    full setup (:func:`~contrafl.engine.plan.make_plan` draws positions in the client's
+    full setup (:func:`~contrafl.execution.plan.make_plan` draws positions in the client's
     row list, not row numbers); the algorithm keeps the federation it was built with."""
     part = setup.partition
     train = part.train[cid]

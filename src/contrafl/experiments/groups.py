@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import fingerprint
+from .spec import SUITE_RECORD, SWEEP_RECORD, Suite, Sweep, run_path, split_method
 from .report import METRICS, Metric, algorithm_label, configuration_labels, count_states, find_runs, read_run, run_metric
 
 PROBE_FILES = ("knn", "linear", "finetune-1%", "finetune-10%", "finetune")
@@ -98,9 +99,6 @@ class Group:
 def _records(paths: Sequence[Path]) -> dict[Path, tuple[tuple[str, str], str, Any, str]]:
     """Run directory -> ((suite directory, method), group label, paper number, setting)
     from the suites and sweeps among ``paths`` (their ``suite.json`` or ``sweep.json``)."""
-    from .suite import SUITE_RECORD, Suite, run_path, split_method
-    from .sweep import SWEEP_RECORD, Sweep
-
     found: dict[Path, tuple[tuple[str, str], str, Any, str]] = {}
     for path in map(Path, paths):
         if (path / SWEEP_RECORD).is_file():
@@ -155,8 +153,6 @@ def _algorithm(config: Mapping[str, Any]) -> str:
 def suite_baseline(paths: Sequence[Path]) -> str | None:
     """The baseline method of the one suite among ``paths`` (its ``suite.json``), None
     when there is not exactly one."""
-    from .suite import SUITE_RECORD, Suite
-
     records = [Path(p) / SUITE_RECORD for p in paths if (Path(p) / SUITE_RECORD).is_file()]
     if len(records) != 1:
         return None

@@ -59,9 +59,9 @@ class _Loaded:
 
 def _load(run_dir: Path, device: str) -> _Loaded:
     from ..config import load_config
-    from ..engine.executor import FunctionalNet
+    from ..execution.executor import FunctionalNet
     from ..engine.setup import prepare
-    from ..engine.simulation import load_checkpoint
+    from ..engine.resume import load_checkpoint
 
     if not (run_dir / "config.yaml").is_file():
         raise ContraflError(f"{run_dir} is not a run directory (no config.yaml); give the directory a `contrafl run` wrote")
@@ -250,9 +250,9 @@ def _local_encoders(run: _Loaded, run_dir: Path, cids: list[int]) -> dict[int, A
     server state and each client's stored state, one round of local training (the round
     after the checkpoint's, trained as the run trains it:
     :meth:`~contrafl.engine.simulation.Simulation.local_models`) without aggregating and
-    without writing to ``run_dir`` (:func:`~contrafl.engine.simulation.read_only`). Parts
+    without writing to ``run_dir`` (:func:`~contrafl.engine.resume.read_only`). Parts
     of the architecture a client does not train are the global model's."""
-    from ..engine.simulation import read_only
+    from ..engine.resume import read_only
 
     sim = read_only(run.setup, run_dir, run.checkpoint, cids)
     try:

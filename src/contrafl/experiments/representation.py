@@ -31,7 +31,7 @@ from typing import NamedTuple, Protocol
 import torch
 from torch.nn import functional as F
 
-from ..engine.optim import SGD, Adam
+from ..execution.optim import SGD, Adam
 
 __all__ = [
     "FinetuneResult",
@@ -95,7 +95,7 @@ def linear_probe(
     for ``epochs`` epochs over a fresh random permutation of the training features per
     epoch (batches of ``batch_size``, the last one partial) on the mean cross-entropy
     with Adam (``torch.optim.Adam`` rule, betas (0.9, 0.999), eps 1e-8, L2
-    ``weight_decay``; :class:`contrafl.engine.optim.Adam`), constant ``lr``.
+    ``weight_decay``; :class:`contrafl.execution.optim.Adam`), constant ``lr``.
 
     This is FedU2's ``linear_eval.py`` (lines 43-72): features of the un-augmented
     images (``ToTensor`` only) extracted once in eval mode, not normalised, ``Linear(512,
@@ -252,7 +252,7 @@ def finetune(
 
     ``encode(state, x, train=...) -> [B, D]`` is the encoder as a function of its state
     ``{**params, **buffers}`` (e.g. ``lambda s, x, train: net(s, x, train=train).h``
-    with a :class:`contrafl.engine.executor.FunctionalNet`); a train-mode call uses batch
+    with a :class:`contrafl.execution.executor.FunctionalNet`); a train-mode call uses batch
     statistics and updates the BatchNorm buffers it is given in place. The model is::
 
         logits = encode(state, transform(x, p), train=True) @ W^T + b
@@ -262,7 +262,7 @@ def finetune(
     ``generator``. Each epoch visits the labelled samples in a fresh random order in
     batches of ``batch_size`` (last one partial), drawing the augmentation ``p =
     transform.sample(len(batch), generator)`` per batch. Updates: SGD with momentum
-    (``torch.optim.SGD`` rule, :class:`contrafl.engine.optim.SGD`), ``encoder_lr`` for the
+    (``torch.optim.SGD`` rule, :class:`contrafl.execution.optim.SGD`), ``encoder_lr`` for the
     encoder parameters and ``head_lr`` for the head, no schedule. The test accuracy (eval
     mode, ``test_transform``) is measured every ``eval_every`` epochs and after the last.
 

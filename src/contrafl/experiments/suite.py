@@ -39,62 +39,28 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import re
 import shutil
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
 import yaml
 
 from .. import params as P
-from ..config import apply_overrides, build_config, differences, fingerprint, merge, parse_overrides
+from ..config import differences, fingerprint, parse_overrides
 from ..engine.progress import Progress, clock_text
 from ..engine.run_dir import read_summary, to_json
-from ..engine.signals import interrupts, stop_point
+from ..execution.signals import interrupts, stop_point
 from ..errors import ConfigError, ContraflError, one_line
 from ..words import count
 from ..metrics.history import last_row, last_value, mean_std, rounds_to_reach
 from .eta import RunTimes, calibrate_each, seconds_left
 from .groups import Group, group_runs
 from .report import pm, read_run
-
-
-@dataclass
-class Suite:
-    name: str
-    base: dict[str, Any]
-    methods: dict[str, dict[str, Any]]
-    seeds: list[int] = field(default_factory=lambda: [0])
-    paper: dict[str, Any] = field(default_factory=dict)
-    paper_rounds: dict[str, Any] = field(default_factory=dict)
-    target: dict[str, Any] = field(default_factory=dict)
-    description: str = ""
-    settings: list[str] = field(default_factory=list)
-    metric: str = "final"
-    probes: list[str] = field(default_factory=list)
-    baseline: str | None = None
-    families_only: bool = False
-    """Tabulated by metric family only (``contrafl compare``), without the paper's layout."""
-
-    def baseline_method(self) -> str | None:
-        """The method every other is compared with (paired differences, targets): the
-        file's ``baseline``, else the method of ``target: {from: ...}``, else the first."""
-        names = base_methods(self)
-        return self.baseline or self.target.get("from") or (names[0] if names else None)
-
-    def config(self, method: str, seed: int, overrides: Sequence[str] = ()):
-        """The validated configuration of one run (``method`` is a ``"<setting> /
-        <method>"`` pair in a suite with settings)."""
-        tree: dict[str, Any] = {}
-        merge(tree, self.base, f"{self.name} base")
-        merge(tree, self.methods[method], f"{self.name} method {method}")
-        apply_overrides(tree, overrides)
-        tree["seed"] = seed
-        return build_config(tree)
+from .spec import SUITE_RECORD, Suite, _slug, base_methods, run_path, split_method
 
 
 def load_suite(path: Path) -> Suite:
@@ -349,7 +315,8 @@ def _inspect(cell: Cell, log: Callable[[str], None]) -> None:
 
 def _run_cell(cell: Cell, setup: Any, clock: "SuiteClock", progress: TextIO | None, head: str) -> dict[str, Any]:
     from ..engine.run_dir import RunDir
-    from ..engine.simulation import Simulation, resume
+    from ..engine.resume import resume
+    from ..engine.simulation import Simulation
 
     bar = SuiteProgress(clock, cell.config.rounds, progress, prefix=f"{head}  ") if progress is not None else None
     if cell.state == "resume":
@@ -462,9 +429,6 @@ def _paths_from(settings: Any, folder: Path) -> Any:
     return settings
 
 
-SUITE_RECORD = "suite.json"  # the suite and overrides of a suite directory's last run
-
-
 def suite_report(out: Path) -> str:
     """The detailed table of the suite in directory ``out`` (:func:`format_table` with
     ``detailed``), recomputed from its run directories for the suite definition and
@@ -512,16 +476,6 @@ def plot_families(groups: Sequence[Group], out: Path) -> list[Path]:
         path.write_bytes(png)
         written.append(path)
     return written
-
-
-def run_path(out: Path, method: str, seed: int) -> Path:
-    """The run directory of ``method`` with ``seed`` in a suite's output directory."""
-    return out / _slug(method) / f"seed{seed}"
-
-
-def _slug(name: str) -> str:
-    """Directory name of a method: ``"MOON + FedAvgM (mu=5)"`` -> ``"MOON-FedAvgM-mu-5"``."""
-    return re.sub(r"[^A-Za-z0-9_.]+", "-", name).strip("-")
 
 
 def collect(
@@ -674,19 +628,6 @@ def format_table(suite: Suite, results: Mapping[str, Any], detailed: bool = Fals
                 cells.append(str(suite.paper_rounds.get(method, "")))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
-
-
-def base_methods(suite: Suite) -> list[str]:
-    """The suite's methods without their settings, in order."""
-    return list(dict.fromkeys(split_method(suite, m)[1] for m in suite.methods))
-
-
-def split_method(suite: Suite, name: str) -> tuple[str, str]:
-    """``(setting, method)`` of a run name (setting ``""`` in a suite without settings)."""
-    for setting in suite.settings:
-        if name.startswith(setting + " / "):
-            return setting, name[len(setting) + 3 :]
-    return "", name
 
 
 def _best_table(suite: Suite, results: Mapping[str, Any], detailed: bool) -> str:

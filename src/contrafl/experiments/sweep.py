@@ -34,7 +34,6 @@ every share found in ``OUT`` (those of no share yet are ``not started``).
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import json
 import os
 import platform
@@ -45,92 +44,27 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal, TextIO, TypeVar
 
 import yaml
 
 from .. import params as P
-from ..config import COMPONENTS, SETTINGS, Component, Config, apply_settings, merge, parse_overrides
+from ..config import COMPONENTS, SETTINGS, Config, parse_overrides
 from ..engine.progress import clock_text, pace_of
 from ..engine.run_dir import read_summary, to_json
-from ..engine.signals import exit_code, interrupts, signal_name, stop_point
+from ..execution.signals import exit_code, interrupts, signal_name, stop_point
 from ..errors import ConfigError
 from ..words import count
 from ..metrics.history import mean_std
 from .eta import RunTimes, calibrate_each, seconds_left
 from .report import METRICS, Metric, _format, count_states, pm, read_run, run_metric
 from .groups import group_runs
-from .suite import Cell, Suite, _inspect, _paths_from, _slug, resolved_configs, run_path, statistics
-
-SWEEP_RECORD = "sweep.json"  # the sweep, its overrides and cells, in its output directory
-SHARD_RECORD = "sweep-shard-{i}-of-{n}.json"  # what share I of N ran, beside it
+from .spec import SHARD_RECORD, SWEEP_RECORD, Suite, Sweep, _algorithm_name, _applies, _slug, _text, run_path
+from .suite import Cell, _inspect, _paths_from, resolved_configs, statistics
 
 T = TypeVar("T")
-
-
-@dataclass
-class Sweep:
-    """A grid of settings (axis -> values) over ``base``, each cell run with ``seeds``."""
-
-    name: str
-    base: dict[str, Any]
-    grid: dict[str, list[Any]]
-    seeds: list[int] = field(default_factory=lambda: [0])
-    description: str = ""
-
-    def cells(self) -> dict[str, list[tuple[str, Any]]]:
-        """Every cell's name and settings, in grid order: the cartesian product of the
-        axes, without the ``NAME.OPTION`` axes of algorithms a cell does not run (the
-        cells that differ only there are one cell)."""
-        base_algorithm = _algorithm_name(self.base.get("algorithm", "fedavg"))
-        cells: dict[str, list[tuple[str, Any]]] = {}
-        for values in itertools.product(*self.grid.values()):
-            pairs = list(zip(self.grid, values))
-            algorithm = next((_algorithm_name(v) for k, v in pairs if k == "algorithm"), base_algorithm)
-            kept = [(k, v) for k, v in pairs if _applies(k, algorithm)]
-            cells.setdefault(" ".join(f"{k}={_text(v)}" for k, v in kept) or "base", kept)
-        return cells
-
-    def suite(self) -> Suite:
-        """The sweep as a suite with a method per cell (each holding the components
-        and settings its cell sets, resolved on top of ``base``)."""
-        methods = {}
-        for name, pairs in self.cells().items():
-            tree: dict[str, Any] = {}
-            merge(tree, self.base, f"{self.name} base")
-            apply_settings(tree, pairs)
-            heads = {_head(k) for k, _ in pairs}
-            methods[name] = {k: v.as_yaml() if isinstance(v, Component) else v for k, v in tree.items() if k in heads}
-        return Suite(name=self.name, base=self.base, methods=methods, seeds=self.seeds, description=self.description)
-
-
-def _algorithm_name(value: Any) -> str:
-    return str(value.get("name", "")) if isinstance(value, Mapping) else str(value)
-
-
-def _head(key: str) -> str:
-    """The tree entry a grid key sets: ``partition.beta`` -> partition, ``moon.mu`` ->
-    algorithm, ``lr`` -> lr."""
-    head, dot, _ = key.partition(".")
-    return head if not dot or head in COMPONENTS else "algorithm"
-
-
-def _applies(key: str, algorithm: str) -> bool:
-    """Whether grid axis ``key`` applies to a cell running ``algorithm``."""
-    head, dot, _ = key.partition(".")
-    return not dot or head in COMPONENTS or P.fold(head) == P.fold(algorithm)
-
-
-def _text(value: Any) -> str:
-    """A grid value as a cell name shows it: ``moon(mu=5)`` for a mapping with a name."""
-    if isinstance(value, Mapping):
-        options = ",".join(f"{k}={_text(v)}" for k, v in value.items() if k != "name")
-        return f"{value.get('name', '')}({options})" if options else str(value.get("name", ""))
-    if isinstance(value, bool) or value is None:
-        return json.dumps(value)
-    return str(value)
 
 
 def load_sweep(path: Path) -> Sweep:
@@ -258,7 +192,7 @@ def run_sweep(
     set to one of :func:`sweep_gpus`, given back when the run ends; ``workers`` defaults
     to one per GPU), its output in ``out/logs/``. A failed run is reported and the
     others go on. On SIGINT, SIGTERM or SIGHUP every running run is asked to stop at its
-    next safe point (it keeps its checkpoint) and :class:`~contrafl.engine.signals.
+    next safe point (it keeps its checkpoint) and :class:`~contrafl.execution.signals.
     Interrupted` is raised with ``summary`` (what is done, stopped and left) as an
     attribute; the next call continues.
     """

@@ -5,10 +5,11 @@ A SuperNode serves the client whose id is its node config's ``partition-id``. It
 the run's ``config.yaml`` and ``partition.json`` from the run directory and keeps only
 its own rows of the data (:func:`~contrafl.engine.setup.own_rows`). For each train
 message it runs what the simulator runs for that client in the same round
-(:meth:`~contrafl.engine.simulation.Simulation.train_locally` with the sequential
+(:meth:`~contrafl.execution.clients.LocalClients.train_locally` with the sequential
 executor: ``client_begin``, the local steps with the same plans and seeds,
 ``client_end``); for each evaluate message, the simulator's personal evaluation
-(:meth:`~contrafl.engine.simulation.Simulation.evaluate_locally`).
+(:meth:`~contrafl.execution.clients.LocalClients.evaluate_locally`), with the clients of
+:func:`~contrafl.engine.simulation.worker_clients` (no round loop).
 
 The client's state (its algorithm state and optimiser state) lives in files of its own,
 ``client-<cid>/round-<T>.pt``, the state after its training in round ``T`` (rounds
@@ -40,8 +41,9 @@ from ..config import load_config
 from ..data.partition import Partition
 from ..engine.checkpoint import load_safe, save_atomic
 from ..engine.setup import own_rows, prepare, prepare_node
-from ..engine.simulation import Scores, Simulation, as_floats
-from ..engine.validate import check_reply
+from ..engine.simulation import worker_clients
+from ..execution.outcomes import Scores, as_floats
+from ..execution.validate import check_reply
 from ..errors import ContraflError
 from ..files import write_atomic
 from .codec import decode, encode
@@ -80,7 +82,7 @@ class FlowerClient:
                 raise ContraflError(f"client {cid}'s data do not fit the federation: {exc}") from None
         else:
             setup = own_rows(prepare(cfg, Partition.load(self.run_dir / "partition.json")), cid)
-        self.sim = Simulation(setup)
+        self.sim = worker_clients(setup)
         self.state_dir = client_state_dir(self.run_dir, cid, state_dir)
         self.check_data(setup.data.train.x, setup.data.train.y)
 
@@ -143,7 +145,7 @@ class FlowerClient:
 
     def checked(self, message: dict[str, Any], tree: dict[str, Any]) -> dict[str, Any]:
         """A reply ``tree`` of :meth:`train` bound for a secure sum, checked here as the
-        server checks a plain reply (:func:`~contrafl.engine.validate.check_reply`
+        server checks a plain reply (:func:`~contrafl.execution.validate.check_reply`
         against the algorithm's ``reply_spec`` of ``message``), since the sum would hide
         it from the server: the tree when it passes, else only why not
         (``{"rejected": reason}``), so that the update enters no sum."""

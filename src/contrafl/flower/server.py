@@ -1,10 +1,10 @@
 """The server side of a contrafl run on Flower: the simulator's round loop with its
 clients reached through a Flower grid.
 
-:class:`GridTransport` is a :class:`contrafl.engine.simulation.Transport`: it sends each
+:class:`GridTransport` is a :class:`contrafl.execution.outcomes.Transport`: it sends each
 sampled client its message (the algorithm's broadcast or per-client message) as a train
 message to the SuperNode serving that client's partition, and turns the replies into
-:class:`~contrafl.engine.simulation.ClientOutcome` s; with ``eval_personal``, every
+:class:`~contrafl.execution.outcomes.ClientOutcome` s; with ``eval_personal``, every
 client gets an evaluate message and answers with its personal model's scores.
 Everything else (sampling, validation of the replies, aggregation, the server
 optimiser, evaluation of the global model, metrics and checkpoints) is the simulator's
@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from ..algorithms.base import Phase, Reply
-from ..engine.simulation import ClientOutcome, Scores
+from ..execution.outcomes import ClientOutcome, Scores
 from ..errors import ConfigError, ContraflError
 from ..rng import derive_seed
 from .codec import decode, encode  # first: a clear error when flwr is missing
@@ -38,7 +38,7 @@ when it is back, the work of a round the server has stopped waiting for."""
 
 
 class GridTransport:
-    """The server's clients on a Flower grid (a :class:`~contrafl.engine.simulation.Transport`).
+    """The server's clients on a Flower grid (a :class:`~contrafl.execution.outcomes.Transport`).
 
     Args:
         grid: the ServerApp's grid.

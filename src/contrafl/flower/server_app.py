@@ -31,7 +31,7 @@ from ..config import load_config
 from ..engine.progress import Progress
 from ..engine.run_dir import RunDir
 from ..engine.setup import prepare
-from ..engine.simulation import resume
+from ..engine.resume import resume
 from ..errors import ContraflError
 from ..words import count
 from .node import REPRODUCIBLE_WARNING, reproducible_noise

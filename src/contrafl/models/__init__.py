@@ -5,6 +5,7 @@ Importing this package registers every backbone in :data:`MODELS`.
 
 from . import cnn, mlp, resnet  # noqa: F401  (registration)
 from .base import FedModel, Heads, ModelOutput
-from .registry import MODELS, build_model
+from .build import build_model
+from .registry import MODELS
 
 __all__ = ["MODELS", "FedModel", "Heads", "ModelOutput", "build_model"]

@@ -112,6 +112,8 @@ class FedModel(nn.Module):
         self.heads = nn.ModuleDict({name: nn.Linear(out_dim, n) for name, n in heads.extra}) if heads.extra else None
 
     def forward(self, x: torch.Tensor) -> ModelOutput:
+        """``h = encoder(x)``, ``z = projection(h)`` (``h`` without one), ``logits = classifier(dropout(z))``,
+        and the predictor's and extra heads' outputs on ``z``."""
         h = self.features(x)
         z = self.project(h) if self.projection_dim is not None else h
         logits = None

@@ -54,6 +54,7 @@ class SimpleCNNHeader(nn.Module):
         self.fc2 = nn.Linear(120, 84)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The 84-d representation of images ``x [B, C, H, W]``."""
         x = F.relu(max_pool2x2(self.conv1(x)))
         x = F.relu(max_pool2x2(self.conv2(x)))
         x = F.relu(self.fc1(x.flatten(1)))
@@ -71,6 +72,7 @@ class FedAvgCNN(nn.Module):
         self.fc1 = nn.Linear(flat, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The ``dim``-wide representation of images ``x [B, C, H, W]``."""
         x = F.relu(max_pool2x2(self.conv1(x)))
         x = F.relu(max_pool2x2(self.conv2(x)))
         return F.relu(self.fc1(x.flatten(1)))

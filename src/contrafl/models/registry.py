@@ -1,4 +1,4 @@
-"""The model registry and :func:`build_model`."""
+"""The model registry: :class:`ModelSpec` entries by name, and the options every model shares."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ from torch import nn
 from .. import params as P
 from ..errors import ConfigError
 from ..registry import Registry
-from .base import FedModel, Heads
 
 
 @dataclass(frozen=True)
@@ -55,17 +54,7 @@ class ModelSpec:
 
 
 MODELS: Registry[ModelSpec] = Registry("model", "contrafl.models", ModelSpec)
-
-
-def model_spec(name: str) -> ModelSpec:
-    """The model ``model=name`` names: a registered one (built-in or plugin), or with a
-    ``:`` the encoder of the user's factory ``MODULE:FACTORY`` / ``FILE.py:FACTORY``
-    (:mod:`contrafl.models.custom`)."""
-    if ":" in name:
-        from .custom import user_spec
-
-        return user_spec(name)
-    return MODELS.get(name)
+"""The backbones by name (``model=NAME``); plugins join from the entry-point group ``contrafl.models``."""
 
 
 def split_options(spec: ModelSpec, options: Mapping[str, Any] | None) -> tuple[HeadOptions, Any]:
@@ -86,37 +75,3 @@ def split_options(spec: ModelSpec, options: Mapping[str, Any] | None) -> tuple[H
     head = P.build(HeadOptions, {k: v for k, v in options.items() if k in head_keys}, "model")
     own = P.build(spec.options, {k: v for k, v in options.items() if k in own_keys}, "model")
     return head, own
-
-
-def build_model(
-    name: str,
-    input_shape: tuple[int, ...],
-    num_classes: int,
-    options: Mapping[str, Any] | None = None,
-    heads: Heads = Heads(),
-) -> FedModel:
-    """Build a :class:`FedModel` for inputs of ``input_shape``.
-
-    The caller controls the random initialisation (seed the global RNG first).
-    """
-    spec = model_spec(name)
-    head, own = split_options(spec, options)
-    if spec.inputs == "image" and len(input_shape) != 3:
-        raise ConfigError(
-            f"model '{name}' needs image inputs [C, H, W] but the dataset gives samples of "
-            f"shape {list(input_shape)}; choose a vector model such as model=mlp"
-        )
-    extra = {"num_classes": num_classes} if spec.takes_num_classes else {}
-    encoder, feature_dim = spec.features(tuple(input_shape), own, **extra)
-    return FedModel(
-        encoder,
-        feature_dim,
-        num_classes,
-        projection_dim=head.projection_dim if head.projection else None,
-        dropout=head.dropout,
-        heads=heads,
-        projection_hidden=head.projection_hidden,
-        projection_bn=head.projection_bn,
-        projection_bias=head.projection_bias,
-        projection_out_bn=head.projection_out_bn,
-    )

@@ -22,10 +22,12 @@ from .registry import MODELS, ModelSpec
 
 
 def conv3x3(in_planes: int, planes: int, stride: int = 1) -> nn.Conv2d:
+    """3x3 convolution with padding 1 and no bias."""
     return nn.Conv2d(in_planes, planes, 3, stride=stride, padding=1, bias=False)
 
 
 def conv1x1(in_planes: int, planes: int, stride: int = 1) -> nn.Conv2d:
+    """1x1 convolution without bias (the shortcut's projection)."""
     return nn.Conv2d(in_planes, planes, 1, stride=stride, bias=False)
 
 
@@ -44,6 +46,7 @@ class BasicBlock(nn.Module):
         self.downsample = _shortcut(in_planes, planes * self.expansion, stride)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``relu(bn2(conv2(relu(bn1(conv1(x))))) + shortcut(x))``."""
         out = self.relu(self.bn1(self.conv1(x)))
         out = self.bn2(self.conv2(out))
         identity = x if self.downsample is None else self.downsample(x)
@@ -68,6 +71,7 @@ class Bottleneck(nn.Module):
         self.downsample = _shortcut(in_planes, planes * self.expansion, stride)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``relu(bn3(conv3(relu(bn2(conv2(relu(bn1(conv1(x)))))))) + shortcut(x))``."""
         out = self.relu(self.bn1(self.conv1(x)))
         out = self.relu(self.bn2(self.conv2(out)))
         out = self.bn3(self.conv3(out))

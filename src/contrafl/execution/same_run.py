@@ -27,7 +27,7 @@ from ..errors import ContraflError
 if TYPE_CHECKING:
     from ..data.base import ArrayDataset
     from ..data.partition import Partition
-    from .setup import Setup
+    from .context import Setup
 
 
 class Refused(ContraflError):

@@ -57,7 +57,6 @@ from torch.utils import _pytree as pytree
 
 from ..algorithms.base import Batch, Stage, TaskView, TrainResult
 from ..data.augment import view_transform
-from .client_store import state_bytes
 from .cuda_graphs import StepGraphs
 from .executor import (
     Job,
@@ -69,6 +68,7 @@ from .executor import (
     set_values,
     noise_generator,
     stage_keys,
+    state_bytes,
     used_parameters,
 )
 from .plan import ClientPlan

@@ -15,17 +15,18 @@ replies). Each round rank 0
    clients whose newest state it does not hold;
 3. trains its own share, and receives each worker's outcomes (the replies, the loss,
    the steps) with its clients' next states. Where the server needs no more than the
-   sample-weighted mean of the replies (:attr:`Simulation.sums_replies`), a worker checks
-   its clients' replies as the server would and sends the valid ones as one mean
-   (:mod:`contrafl.engine.partial`): one model's worth of bytes a worker instead of one a
+   sample-weighted mean of the replies (:attr:`~contrafl.execution.replies.ReplyChecks.
+   sums_replies`), a worker checks its clients' replies as the server would and sends the
+   valid ones as one mean (:mod:`contrafl.execution.partial`): one model's worth of bytes a worker instead of one a
    client, checked on the workers in parallel.
 
 Rank 0 keeps every client's newest state (its store is the one the checkpoints save),
 so a client can train on any rank, its state moving exactly, and a resumed run starts
 its workers empty. A rank trains its share with the executor of ``rank_executor`` (the
 sequential one on a CPU, the vectorized one on a GPU), exactly as
-:meth:`~contrafl.engine.simulation.Simulation.train_locally` trains clients in one
-process: for a given world size the run is reproducible bit for bit, and equal to the
+:meth:`~contrafl.execution.clients.LocalClients.train_locally` trains clients in one
+process (a worker serves its clients with a :class:`~contrafl.execution.clients.
+LocalClients` of its own, never a round loop): for a given world size the run is reproducible bit for bit, and equal to the
 other executors to float tolerance (the ranks' thread counts and the order in which the
 replies arrive differ).
 
@@ -65,14 +66,14 @@ from ..algorithms.base import Phase
 from ..cores import cores_each
 from ..errors import ContraflError, one_line
 from .partial import restore, summed
-from .progress import RoundWork
+from .work import RoundWork
 from .same_run import Refused, disagreement, identity
 from .signals import POLL_S, detach_from_signals, interrupts, signal_name, stop_point
 
 if TYPE_CHECKING:
-    from ..config import Config
-    from .setup import Setup
-    from .simulation import ClientOutcome, Scores, Simulation, StateDict
+    from ..algorithms.base import StateDict
+    from .clients import LocalClients
+    from .outcomes import ClientOutcome, Scores
 
 REPORT_S = 0.5  # how often a worker adds its local steps to rank 0's counter
 TIMEOUT = datetime.timedelta(minutes=30)  # for joining the process group: the ranks wait this long for the others
@@ -305,7 +306,7 @@ class WorkerSteps:
 
 
 class StepsReport:
-    """A worker's progress (its :attr:`Simulation.progress`): adds its local steps of
+    """A worker's progress (its :attr:`~contrafl.execution.clients.LocalClients.progress`): adds its local steps of
     round ``t`` to rank 0's counter (:class:`WorkerSteps`) at most every
     :data:`REPORT_S` seconds, and the rest at :meth:`flush`."""
 
@@ -327,17 +328,28 @@ class StepsReport:
 # -- rank 0 --------------------------------------------------------------------------
 class DistributedTransport:
     """Rank 0's side: trains each round's clients on all ranks
-    (:class:`~contrafl.engine.simulation.Transport`); evaluates in this process, which
-    holds every client's state."""
+    (:class:`~contrafl.execution.outcomes.Transport`); evaluates in this process, which
+    holds every client's state. ``clients``: rank 0's own; ``placement``: client -> the
+    worker that keeps its state, kept up to date here (the round loop saves it with its
+    checkpoints)."""
 
     runtime = "distributed"
 
-    def __init__(self, sim: Simulation, world: int, store: dist.Store | None = None, rank_threads: int | None = None) -> None:
-        self.sim = sim
+    def __init__(
+        self,
+        clients: LocalClients,
+        world: int,
+        placement: dict[int, int],
+        store: dist.Store | None = None,
+        rank_threads: int | None = None,
+    ) -> None:
+        self.clients = clients
         self.world = world
+        self.placement = placement
         self.store = store  # the process group's, where the workers count their steps
-        self.workers: list[Any] = []  # the processes this one forked (none under torchrun)
-        sim.placement = {c: rank for c, rank in sim.placement.items() if rank < world}  # a run resumed on fewer ranks
+        self.workers: list[Any] = []  # the processes this one started (none under torchrun)
+        for cid in [c for c, rank in placement.items() if rank >= world]:  # a run resumed on fewer ranks
+            del placement[cid]
         self.copies: dict[int, int] = {}  # client -> the worker process holding its newest state (none at the start)
         self.pending: set[int] = set()  # the workers that are not waiting for a packet: training, or not yet checked
         self.threads = torch.get_num_threads()  # this process's, outside its training and at the end
@@ -378,11 +390,11 @@ class DistributedTransport:
     def _train_on_ranks(
         self, t: int, cids: list[int], message_for: Callable[[int], dict[str, Any]], phases: list[Phase]
     ) -> Iterator[ClientOutcome]:
-        sim = self.sim
+        sim = self.clients
         work = sim.round_work
         messages = {cid: message_for(cid) for cid in cids}
         planned = {cid: sim.planned_steps(cid, phases) for cid in cids}
-        shares = assign(planned, sim.placement, self.world)
+        shares = assign(planned, self.placement, self.world)
         workers = None
         if work is not None and self.store is not None:  # the round's steps, the workers' counted in the store
             work.steps, work.remote = sum(planned.values()), (workers := WorkerSteps(self.store, t))
@@ -391,7 +403,7 @@ class DistributedTransport:
             send({"t": t, "messages": {cid: messages[cid] for cid in share}, "states": states}, rank)
             self.pending.add(rank)
         for cid in shares[0]:  # trained here: the workers' copies grow old
-            sim.placement.pop(cid, None)
+            self.placement.pop(cid, None)
             self.copies.pop(cid, None)
         yield from sim.train_locally(t, shares[0], messages.__getitem__, phases, work)
         progress = sim.progress
@@ -413,14 +425,14 @@ class DistributedTransport:
             for outcome, state in outcomes:
                 if state is not None:
                     sim.store.put(outcome.cid, state)
-                    sim.placement[outcome.cid] = self.copies[outcome.cid] = rank
+                    self.placement[outcome.cid] = self.copies[outcome.cid] = rank
                 yield dataclasses.replace(outcome, reply=restore(outcome.reply, mean)) if outcome.checked else outcome
 
     def evaluate(self, t: int, cids: list[int], message_for: Callable[[int], dict[str, Any]]) -> Iterator[tuple[int, Scores | None]]:
-        return self.sim.evaluate_locally(t, cids, message_for)
+        return self.clients.evaluate_locally(t, cids, message_for)
 
     def evaluate_model(self, t: int, cids: list[int], state: StateDict) -> Iterator[tuple[int, Scores | None]]:
-        return self.sim.evaluate_model_locally(t, cids, state)
+        return self.clients.evaluate_model_locally(t, cids, state)
 
     def close(self) -> None:
         """End the workers: idle ones (the run completed, or stopped between rounds) get
@@ -444,12 +456,20 @@ class DistributedTransport:
         torch.set_num_threads(self.threads)
 
 
-def start(sim: Simulation) -> DistributedTransport:
-    """The transport of ``sim``'s run: over the process group ``torchrun`` made (this
-    process is rank 0), or over ``workers`` processes (:func:`~contrafl.engine.setup.
-    default_workers`) started now on 127.0.0.1 (forked where :func:`can_fork`, else
-    spawned), each with ``cores // workers`` threads, as this process while it trains
-    its share (it takes all the cores again for the rest: aggregation, evaluation)."""
+def start(
+    sim: LocalClients,
+    placement: dict[int, int],
+    forked: Callable[[], LocalClients],
+    spawned: Callable[[], LocalClients],
+) -> DistributedTransport:
+    """The transport of the run of ``sim`` (rank 0's clients): over the process group
+    ``torchrun`` made (this process is rank 0), or over ``workers`` processes
+    (:func:`~contrafl.engine.setup.default_workers`) started now on 127.0.0.1, each with
+    ``cores // workers`` threads, as this process while it trains its share (it takes all
+    the cores again for the rest: aggregation, evaluation). A worker serves the clients
+    ``forked()`` makes where it is forked (:func:`can_fork`: it inherits the data and the
+    model), else ``spawned()`` (pickled: it loads the data anew). ``placement``: client ->
+    the worker that keeps its state (:class:`DistributedTransport`)."""
     env = launched()
     if env is not None:
         if env[0] != 0:  # contrafl run serves these ranks before it builds a run (cli.serve_rank)
@@ -458,16 +478,16 @@ def start(sim: Simulation) -> DistributedTransport:
                 "`contrafl run` (and `contrafl run --resume`) runs one simulation on all ranks"
             )
         _join(*env)
-        return checked(DistributedTransport(sim, env[1], dist.distributed_c10d._get_default_store()))
+        return checked(DistributedTransport(sim, env[1], placement, dist.distributed_c10d._get_default_store()))
     world = sim.cfg.workers or 1
-    transport = DistributedTransport(sim, world, rank_threads=cores_each(world))
+    transport = DistributedTransport(sim, world, placement, rank_threads=cores_each(world))
     if world == 1:
         return transport
     store = transport.store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, timeout=TIMEOUT, wait_for_workers=False)
     if sim.device.type == "cpu" and can_fork():  # the workers inherit the data and the model
-        ctx, target, what = mp.get_context("fork"), _forked_worker, sim.setup
+        ctx, target, what = mp.get_context("fork"), _worker, forked
     else:  # CUDA cannot be used in a forked process (nor fork elsewhere): the workers load the data anew
-        ctx, target, what = mp.get_context("spawn"), _spawned_worker, sim.cfg
+        ctx, target, what = mp.get_context("spawn"), _worker, spawned
     transport.workers = [
         ctx.Process(target=target, args=(what, store.port, rank, world), daemon=True) for rank in range(1, world)
     ]
@@ -487,15 +507,15 @@ def start(sim: Simulation) -> DistributedTransport:
 
 def checked(transport: DistributedTransport) -> DistributedTransport:
     """``transport`` once every worker has shown that it trains rank 0's run
-    (:mod:`~contrafl.engine.same_run`: settings, training data, contrafl's version);
+    (:mod:`~contrafl.execution.same_run`: settings, training data, contrafl's version);
     other versions of torch or Python are printed as warnings. A worker that differs,
     or that could not start the run (its first message is then its error), ends the
     run: the waiting workers are told why (and end with that error), and it is raised
-    here (:class:`~contrafl.engine.same_run.Refused` where a rank differs)."""
+    here (:class:`~contrafl.execution.same_run.Refused` where a rank differs)."""
     world = transport.world
     transport.pending = set(range(1, world))  # each is sending its identity
     try:
-        ours = identity(transport.sim.setup)
+        ours = identity(transport.clients.setup)
         failure: BaseException | None = None
         waiting = []  # the workers that sent their identity, and wait for a packet
         for rank in range(1, world):
@@ -528,7 +548,7 @@ def launched_run() -> Iterator[None]:
     waiting for it for :data:`TIMEOUT`. A worker sends its error to rank 0 in place of
     its identity (:func:`checked` raises it); rank 0, where it ends before it has
     checked the workers, takes each worker's first message and answers it with its own
-    error (:class:`~contrafl.engine.same_run.Refused`). Outside torchrun: the body alone."""
+    error (:class:`~contrafl.execution.same_run.Refused`). Outside torchrun: the body alone."""
     env = launched()
     if env is None:
         yield
@@ -567,7 +587,7 @@ def _why(exc: BaseException) -> str:
 
 def _tell_the_ranks(env: tuple[int, int], what: str) -> None:
     """Rank ``env[0]`` of ``env[1]`` has ended before it met the others: ``what`` it
-    did, as :class:`~contrafl.engine.same_run.Refused`, to rank 0 (a worker) or to every
+    did, as :class:`~contrafl.execution.same_run.Refused`, to rank 0 (a worker) or to every
     worker that sent its first message (rank 0); then it leaves the process group."""
     rank, world = env
     reason = Refused(f"rank {rank} (on {socket.gethostname()}) {what}")
@@ -615,11 +635,11 @@ def _guard_hint() -> str:
 
 # -- ranks 1 .. W-1 ------------------------------------------------------------------
 def summed_outcomes(
-    sim: Simulation, outcomes: list[ClientOutcome], messages: dict[int, dict[str, Any]]
+    sim: LocalClients, outcomes: list[ClientOutcome], messages: dict[int, dict[str, Any]]
 ) -> tuple[list[ClientOutcome], list[torch.Tensor]]:
     """A worker's ``outcomes`` with the replies that pass the server's checks
-    (:meth:`~contrafl.engine.simulation.Simulation.reply_problems`) summed
-    (:func:`~contrafl.engine.partial.summed`: marked ``checked``, their floating-point
+    (:meth:`~contrafl.execution.replies.ReplyChecks.reply_problems`) summed
+    (:func:`~contrafl.execution.partial.summed`: marked ``checked``, their floating-point
     tensors in the returned mean); the others as they are, for rank 0 to check and
     reject as it would any reply. Unchanged when the valid replies have no mean to take."""
     specs: dict[int, Any] = {}
@@ -635,45 +655,34 @@ def summed_outcomes(
     return [by_cid.get(o.cid, o) for o in outcomes], mean
 
 
-def _spawned_worker(cfg: Config, port: int, rank: int, world: int) -> None:
-    """A worker that ``contrafl run`` started on a GPU machine, or where it cannot fork
-    (:func:`can_fork`): the run's data and model made anew from its config, then as
-    :func:`_forked_worker`."""
-    from .setup import prepare
-
-    detach_from_signals()
-    _forked_worker(prepare(cfg), port, rank, world)
-
-
-def _forked_worker(setup: Setup, port: int, rank: int, world: int) -> None:
-    """A worker that ``contrafl run`` forked: its rank of the process group on
-    127.0.0.1, then :func:`serve` with a simulation of its own."""
-    from .simulation import Simulation
-
+def _worker(clients: Callable[[], LocalClients], port: int, rank: int, world: int) -> None:
+    """A worker that ``contrafl run`` started (forked, or spawned where it cannot fork,
+    :func:`can_fork`): its rank of the process group on 127.0.0.1, then :func:`serve`
+    with the clients ``clients()`` makes (before it joins: a spawned worker that cannot
+    load the run's data ends before rank 0 waits for it, :func:`await_worker`)."""
     detach_from_signals()
     torch.set_num_threads(cores_each(world))
+    served = clients()
     store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=TIMEOUT)
     store.set(joined_key(rank), "1")
     _join(rank, world, store)
     try:
-        serve(Simulation(setup), store)
+        serve(served, store)
     except Refused:  # rank 0 reports it
         pass
 
 
-def serve_launched(setup: Setup, rank: int, world: int) -> None:
+def serve_launched(clients: Callable[[], LocalClients], rank: int, world: int) -> None:
     """Rank ``rank`` (above 0) of ``world`` that ``torchrun`` started: join the process
     group (unless ``contrafl run`` has joined it first: :func:`launched_run`), then
-    :func:`serve` with a simulation of its own."""
-    from .simulation import Simulation
-
+    :func:`serve` with the clients ``clients()`` makes."""
     _join(rank, world)
-    serve(Simulation(setup), dist.distributed_c10d._get_default_store())
+    serve(clients(), dist.distributed_c10d._get_default_store())
 
 
-def serve(sim: Simulation, store: dist.Store) -> None:
-    """A worker's life: send rank 0 this process's :func:`~contrafl.engine.same_run.
-    identity` (raising :class:`~contrafl.engine.same_run.Refused` where rank 0 refuses
+def serve(sim: LocalClients, store: dist.Store) -> None:
+    """A worker's life: send rank 0 this process's :func:`~contrafl.execution.same_run.
+    identity` (raising :class:`~contrafl.execution.same_run.Refused` where rank 0 refuses
     it), then train the clients of each packet rank 0 sends, with the states
     it sends, counting the local steps in the process group's ``store`` for rank 0's
     progress (:class:`StepsReport`), and answer with their outcomes and next states,
@@ -733,12 +742,12 @@ def _tell_rank_0(answer: Any, exc: BaseException) -> None:
         raise exc from None
 
 
-def _answer(sim: Simulation, store: dist.Store, packet: dict[str, Any]) -> tuple[list[tuple[ClientOutcome, Any]], list[torch.Tensor]]:
+def _answer(sim: LocalClients, store: dist.Store, packet: dict[str, Any]) -> tuple[list[tuple[ClientOutcome, Any]], list[torch.Tensor]]:
     """A worker's answer to ``packet``: its clients trained with the states it brings
     (the local steps counted in ``store`` for rank 0's progress), their outcomes with
     their next states, and the mean of their valid replies where the server sums them
     (:func:`summed_outcomes`)."""
-    from .simulation import as_floats
+    from .outcomes import as_floats
 
     t, messages = packet["t"], packet["messages"]
     for cid, state in packet["states"].items():

@@ -8,7 +8,7 @@ inherit the data, the model and the algorithm's loss functions without pickling;
 trains its share of the jobs with the sequential executor (seeded per job, so a client's
 result does not depend on which worker trains it) and sends the results back. Each worker
 counts its finished local steps in shared memory, which the parent reads while it waits
-(the progress of a long round). The workers leave stop requests (Ctrl-C, SIGTERM, :mod:`~contrafl.engine.signals`) to the parent: it
+(the progress of a long round). The workers leave stop requests (Ctrl-C, SIGTERM, :mod:`~contrafl.execution.signals`) to the parent: it
 looks for one while it waits for their results, and then kills them.
 """
 
@@ -70,7 +70,7 @@ def _receive(
 ) -> tuple[int | None, Any, Any]:
     """The workers' next message from ``queue``, ``poll()`` called every :data:`POLL_S`
     seconds meanwhile. A stop request made meanwhile (see
-    :mod:`~contrafl.engine.signals`) raises within :data:`POLL_S` seconds, and so does
+    :mod:`~contrafl.execution.signals`) raises within :data:`POLL_S` seconds, and so does
     the death of a worker that still owes results (killed, e.g. for memory), which
     would otherwise leave the wait without an end."""
     while True:

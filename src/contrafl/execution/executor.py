@@ -182,6 +182,7 @@ class Workload:
         return out
 
     def autocast_context(self) -> Any:
+        """Autocast to :attr:`autocast` on the data's device, or nothing without it."""
         if self.autocast is None:
             return nullcontext()
         return torch.autocast(self.x.device.type, dtype=self.autocast)
@@ -238,6 +239,7 @@ class SequentialExecutor:
         self.workload = workload
 
     def train(self, jobs: list[Job], on_steps: StepsDone | None = None) -> list[TrainResult]:
+        """Train ``jobs`` one after another: their results, in the jobs' order."""
         return [self._train_one(job, on_steps) for job in jobs]
 
     def run(
@@ -301,7 +303,7 @@ def used_parameters(workload: Workload, job: Job, phase: int = 0) -> list[list[b
     structure does not depend on tensor values, as vectorized losses must be, uses the
     same ones at every step). The global random streams are left as they were, so that
     training draws the same numbers whether or not the probe ran (a kept answer,
-    :class:`~contrafl.engine.vectorized.StepArenas`)."""
+    :class:`~contrafl.execution.vectorized.StepArenas`)."""
     w, task, plan = workload, job.task, job.plans[phase]
     stages = w.phases[phase].stages
     if not plan.steps:
@@ -328,6 +330,22 @@ def _probe_used(w: Workload, job: Job, phase: int) -> list[list[bool]]:
             loss, _ = stage.loss(TaskView(params, buffers, dict(task.frozen), task.consts), batch, w.net)
         used.append([g is not None for g in torch.autograd.grad(loss, ts, allow_unused=True)])
     return used
+
+
+def state_bytes(obj: Any, _seen: set[int] | None = None) -> int:
+    """Bytes held by the tensors in a nested structure (shared storages counted once)."""
+    seen = set() if _seen is None else _seen
+    if isinstance(obj, torch.Tensor):
+        key = obj.untyped_storage().data_ptr()
+        if key in seen:
+            return 0
+        seen.add(key)
+        return obj.untyped_storage().nbytes()
+    if isinstance(obj, dict):
+        return sum(state_bytes(v, seen) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(state_bytes(v, seen) for v in obj)
+    return 0
 
 
 def accumulate(total: dict[str, torch.Tensor], stats: dict[str, torch.Tensor]) -> None:
