@@ -175,3 +175,29 @@ def missing_clients_keep_state(sim: Simulation, rounds: int, missing) -> int:
                 kept += 1
                 assert all(torch.equal(v, after["algorithm"]["c_i"][k]) for k, v in state["algorithm"]["c_i"].items())
     return kept
+
+
+BYZFL_MISSING = "ByzFL is not installed: pip install --no-deps byzfl==0.0.11 (as .ci/run does)"
+
+
+def load_byzfl(module: str):
+    """``byzfl.<module>`` without ``import byzfl``, whose benchmark module pulls in
+    torchvision (which does not load with the pinned torch): a bare ``byzfl`` package
+    module stands in while it loads, then all ``byzfl`` modules leave ``sys.modules``
+    again (the loaded classes keep working). None where ByzFL is not installed."""
+    import importlib
+    import importlib.util
+    import sys
+    import types
+
+    spec = importlib.util.find_spec("byzfl")
+    if spec is None:
+        return None
+    package = types.ModuleType("byzfl")
+    package.__path__ = list(spec.submodule_search_locations)
+    sys.modules["byzfl"] = package
+    try:
+        return importlib.import_module(f"byzfl.{module}")
+    finally:
+        for name in [k for k in sys.modules if k == "byzfl" or k.startswith("byzfl.")]:
+            del sys.modules[name]

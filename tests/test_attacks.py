@@ -2,42 +2,21 @@
 ByzFL has them, against hand-computed values where it does not, and their effect on the
 robust aggregators on small fixed cases, as their papers report."""
 
-import importlib
-import importlib.util
 import math
-import sys
-import types
 
 import numpy as np
 import pytest
 import torch
 
 from contrafl.algorithms import attacks, robust
+from conftest import BYZFL_MISSING, load_byzfl
 
 TOL = {"rtol": 1e-12, "atol": 1e-12}
 TAU = 1e-5
 
 
-def _load_byzfl_attacks() -> types.ModuleType | None:
-    """``byzfl.attacks`` (which imports ``byzfl.aggregators`` and ``byzfl.utils``) without
-    ``import byzfl``, whose benchmark module pulls in torchvision: a bare ``byzfl`` package
-    module stands in while it loads, then all ``byzfl`` modules leave ``sys.modules``
-    again (the loaded classes keep working)."""
-    spec = importlib.util.find_spec("byzfl")
-    if spec is None:
-        return None
-    package = types.ModuleType("byzfl")
-    package.__path__ = list(spec.submodule_search_locations)
-    sys.modules["byzfl"] = package
-    try:
-        return importlib.import_module("byzfl.attacks")
-    finally:
-        for name in [k for k in sys.modules if k == "byzfl" or k.startswith("byzfl.")]:
-            del sys.modules[name]
-
-
-byzfl = _load_byzfl_attacks()
-needs_byzfl = pytest.mark.skipif(byzfl is None, reason="ByzFL is not installed: pip install --no-deps byzfl==0.0.11 (as .ci/run does)")
+byzfl = load_byzfl("attacks")
+needs_byzfl = pytest.mark.skipif(byzfl is None, reason=BYZFL_MISSING)
 
 
 def honest(n: int, seed: int, d: int = 6, centre: float = 2.0) -> torch.Tensor:

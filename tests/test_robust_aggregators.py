@@ -1,9 +1,6 @@
 """The robust aggregation rules against ByzFL's and Flower's implementations, on the same
 float64 inputs (honest updates around a common point, f far outliers)."""
 
-import importlib
-import importlib.util
-import sys
 import types
 
 import numpy as np
@@ -11,31 +8,15 @@ import pytest
 import torch
 
 from contrafl.algorithms import robust
+from conftest import BYZFL_MISSING, load_byzfl
 
 SHAPES = [(2, 3), (4,)]  # the layers Flower sees: one row of updates is 10 numbers
 D = 10
 TOL = {"rtol": 1e-12, "atol": 1e-12}
 
 
-def _load_byzfl_aggregators() -> types.ModuleType | None:
-    """``byzfl.aggregators`` without ``import byzfl``, whose benchmark module pulls in
-    torchvision: a bare ``byzfl`` package module stands in while it loads, then all
-    ``byzfl`` modules leave ``sys.modules`` again (the loaded classes keep working)."""
-    spec = importlib.util.find_spec("byzfl")
-    if spec is None:
-        return None
-    package = types.ModuleType("byzfl")
-    package.__path__ = list(spec.submodule_search_locations)
-    sys.modules["byzfl"] = package
-    try:
-        return importlib.import_module("byzfl.aggregators")
-    finally:
-        for name in [k for k in sys.modules if k == "byzfl" or k.startswith("byzfl.")]:
-            del sys.modules[name]
-
-
-byzfl = _load_byzfl_aggregators()
-needs_byzfl = pytest.mark.skipif(byzfl is None, reason="ByzFL is not installed: pip install --no-deps byzfl==0.0.11 (as .ci/run does)")
+byzfl = load_byzfl("aggregators")
+needs_byzfl = pytest.mark.skipif(byzfl is None, reason=BYZFL_MISSING)
 
 
 def updates(n: int, f: int, seed: int, d: int = D) -> np.ndarray:
