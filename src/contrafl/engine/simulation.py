@@ -58,7 +58,7 @@ from .progress import Progress
 from .resumable import Resumable
 from .run_dir import RunDir
 from .sampling import sample_schedule, secret_sample
-from .setup import choose_executor
+from .setup import choose_executor, prepare
 from .tracking import Tracking, open_tracking
 
 
@@ -86,8 +86,6 @@ def worker_clients(setup: Setup) -> LocalClients:
 
 def worker_clients_of(cfg: Config) -> LocalClients:
     """:func:`worker_clients` of the run ``cfg``, its data loaded anew (a spawned rank)."""
-    from .setup import prepare
-
     return worker_clients(prepare(cfg))
 
 
