@@ -42,7 +42,7 @@ def test_yaml_file_then_overrides(tmp_path):
         (["sample_fraction=0"], "sample_fraction='0' is invalid"),
         (["executor=gpu"], "expected one of auto, sequential, parallel, vectorized"),
         (["rounds"], "expected KEY=VALUE"),
-        (["learning.rate=1"], "only dataset, partition, model, algorithm, dp have options"),
+        (["learning.rate=1"], "only dataset, partition, model, algorithm, dp, aggregator, attack have options"),
     ],
 )
 def test_errors_are_one_line_and_name_the_value(override, fragment):

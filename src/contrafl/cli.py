@@ -311,6 +311,10 @@ def format_summary(summary: dict, history: list[dict] | None = None) -> str:
         epsilon = summary["dp"]["epsilon"]
         noise = "; reproducible noise: protects nothing" if summary["dp"].get("noise") == "reproducible" else ""
         parts.append(f"({'inf' if epsilon is None else f'{epsilon:.3g}'}, {summary['dp']['delta']:g})-DP ({summary['dp']['mode']}{noise})")
+    if "robustness" in summary:
+        rb = summary["robustness"]
+        found = "; ".join(f"{k} {rb[k]:.2f}" for k in ("precision", "recall") if rb.get(k) is not None)
+        parts.append(f"aggregator={rb['aggregator']}, attack={rb['attack']}" + (f" (attackers found: {found})" if found else ""))
     lost = sum(len(row.get("lost", [])) for row in history or [])
     if lost:
         parts.append(f"{count(lost, 'reply', 'replies')} lost")
@@ -421,7 +425,9 @@ def cmd_list(ns: argparse.Namespace) -> int:
     from .data.registry import DATASETS
     from .models import MODELS
     from .models.registry import HeadOptions
+    from .engine.attacking import ATTACKS, AttackParams
     from .engine.privacy import DP_MODES, DPParams
+    from .engine.robustness import AGGREGATORS, AggregatorParams
 
     what = ns.what
     def options(cls: type, prefix: str, inapplicable: dict[str, str] | None = None) -> None:
@@ -470,6 +476,16 @@ def cmd_list(ns: argparse.Namespace) -> int:
         for name, summary in DP_MODES.items():
             print(f"  {name:<12} {summary}")
         options(DPParams, "dp")
+    if what in ("all", "aggregators"):
+        print("robust aggregators (aggregator=NAME, options aggregator.OPTION=VALUE; docs/robustness.md):")
+        for name, summary in AGGREGATORS.items():
+            print(f"  {name:<20} {summary}")
+        options(AggregatorParams, "aggregator")
+    if what in ("all", "attacks"):
+        print("Byzantine attacks (attack=NAME, options attack.OPTION=VALUE; docs/robustness.md):")
+        for name, summary in ATTACKS.items():
+            print(f"  {name:<28} {summary}")
+        options(AttackParams, "attack")
     return 0
 
 
@@ -812,7 +828,7 @@ def build_parser() -> argparse.ArgumentParser:
     lst = sub.add_parser("list", help="list algorithms, datasets, partitions, models, augmentations",
                          description="List what can be chosen, with options and defaults.")
     lst.add_argument("what", nargs="?", default="all",
-                     choices=["all", "algorithms", "datasets", "partitions", "models", "augmentations", "dp"])
+                     choices=["all", "algorithms", "datasets", "partitions", "models", "augmentations", "dp", "aggregators", "attacks"])
     lst.set_defaults(func=cmd_list)
 
     data = sub.add_parser("data", help="dataset files", description="Manage dataset files.")

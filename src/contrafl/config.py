@@ -1,8 +1,10 @@
 """Run configuration: YAML files, ``key=value`` overrides, validation and ``auto`` values.
 
-A configuration is a flat set of settings plus five *components*: ``dataset``,
-``partition``, ``model``, ``algorithm`` and ``dp`` (differential privacy: ``none``,
-``central`` or ``local``, :mod:`contrafl.engine.privacy`). A component is written either as a name
+A configuration is a flat set of settings plus seven *components*: ``dataset``,
+``partition``, ``model``, ``algorithm``, ``dp`` (differential privacy: ``none``,
+``central`` or ``local``, :mod:`contrafl.engine.privacy`), ``aggregator`` (a robust rule in
+place of the algorithm's means, :mod:`contrafl.engine.robustness`) and ``attack``
+(Byzantine clients, :mod:`contrafl.engine.attacking`). A component is written either as a name
 (``algorithm: moon``) or as a mapping with a ``name`` and the component's own options
 (``algorithm: {name: moon, mu: 5}``). On the command line ``algorithm=moon`` sets the name
 and ``algorithm.mu=5`` an option; changing a component's name drops options given for
@@ -31,7 +33,7 @@ from . import params as P
 from .errors import ConfigError
 from .speeds import SpeedSpec
 
-COMPONENTS = ("dataset", "partition", "model", "algorithm", "dp")
+COMPONENTS = ("dataset", "partition", "model", "algorithm", "dp", "aggregator", "attack")
 DEFAULT_PARTITION = "dirichlet"
 """The partition of ``partition=auto`` for data that are not split per client by their files."""
 DEFAULT_CLIENTS = 10
@@ -90,6 +92,8 @@ class Config:
     model: Component = field(default_factory=lambda: Component("auto"))
     algorithm: Component = field(default_factory=lambda: Component("fedavg"))
     dp: Component = field(default_factory=lambda: Component("none"))
+    aggregator: Component = field(default_factory=lambda: Component("mean"))
+    attack: Component = field(default_factory=lambda: Component("none"))
 
     seed: int = P.param(0, P.Interval(0, 2**63 - 1), "seed of every random stream of the run")
     data_dir: str | None = P.param(None, None, "directory of the dataset files")
@@ -245,6 +249,8 @@ NEUTRAL_VALUES: dict[str, Any] = {
     "round_deadline": None,
     "stragglers": "drop",
     "dp": "none",
+    "aggregator": "mean",
+    "attack": "none",
     "node_data": "shared",
     "server_test": None,
     "global_eval": "server",

@@ -165,8 +165,8 @@ def check_checkpoint(obj: Any, path: Path, cfg: Config, model: Mapping[str, torc
     row per round (a dict of JSON values with its round), a server model with exactly
     the names, shapes and dtypes of ``model``, a server-optimiser velocity of some of
     them, client states of clients ``0..cfg.num_clients - 1`` (:func:`client_files`),
-    communication totals in bytes, a wall time, the run's extensions to more rounds
-    (optional) and the ranks that keep clients' states (optional). The first violation is one :class:`CheckpointError` line naming the
+    communication totals in bytes, a wall time, a robust aggregator's state (optional), the run's extensions to
+    more rounds (optional) and the ranks that keep clients' states (optional). The first violation is one :class:`CheckpointError` line naming the
     entry, its value and what was expected."""
 
     def bad(entry: str, value: Any, expected: str) -> CheckpointError:
@@ -232,6 +232,12 @@ def check_checkpoint(obj: Any, path: Path, cfg: Config, model: Mapping[str, torc
     if not (isinstance(wall, (int, float)) and not isinstance(wall, bool) and math.isfinite(wall) and wall >= 0):
         raise bad("wall_time_s", wall, "the seconds the run took, a number >= 0")
     _check_extensions(obj.get("extensions", []), obj["config"].get("rounds"), bad)
+    centers = obj.get("aggregator", {})
+    if not (isinstance(centers, dict) and all(
+        isinstance(k, str) and isinstance(v, torch.Tensor) and v.dim() == 1 and v.is_floating_point() and bool(torch.isfinite(v).all())
+        for k, v in centers.items()
+    )):
+        raise bad("aggregator", centers, "a dict of name -> finite 1-D float tensor (centered clipping's previous aggregates)")
     placement = obj.get("placement", {})
     if not (isinstance(placement, dict) and all(
         is_whole(cid) and 0 <= cid < cfg.num_clients and is_whole(rank) and rank >= 1 for cid, rank in placement.items()

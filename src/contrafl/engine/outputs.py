@@ -49,6 +49,8 @@ class Outputs:
         summary["rejected_updates"] = sum(len(r.get("rejected", [])) for r in self.history)
         if self.privacy is not None:
             summary["dp"] = self.privacy.summary()
+        if self.cfg.aggregator.name != "mean" or self.cfg.attack.name != "none":
+            summary["robustness"] = self.robustness()
         if self.timed:
             summary["simulated_time"] = round(sum(r["round_time"] for r in self.history), 6)
             summary["straggler_replies"] = {
@@ -67,6 +69,16 @@ class Outputs:
         if self.extensions:
             summary["extended"] = self.extension()
         return summary
+
+    def robustness(self) -> dict[str, Any]:
+        """The run's aggregator and attack, and the mean over rounds of the aggregator's
+        precision and recall in finding the attackers (None where no round defines one:
+        a rule that chooses no client, no attacker)."""
+        out: dict[str, Any] = {"aggregator": self.cfg.aggregator.name, "attack": self.cfg.attack.name}
+        for key in ("precision", "recall"):
+            values = [r["aggregator"][key] for r in self.history if r.get("aggregator", {}).get(key) is not None]
+            out[key] = sum(values) / len(values) if values else None
+        return out
 
     def extension(self) -> dict[str, Any] | None:
         """How the run was extended to more rounds, None if it never was: ``{"from": the
@@ -104,9 +116,11 @@ class Outputs:
 
 def without_clients(row: dict[str, Any]) -> dict[str, Any]:
     """A round's row that does not say which clients took part (``sampling=secret``): no
-    ``clients`` list, rejected and lost replies without their client, stragglers as
+    ``clients`` list, no ``attackers`` or clients the aggregator flagged, rejected and lost replies without their client, stragglers as
     whether they replied (their speed and planned steps would name them)."""
-    out = {k: v for k, v in row.items() if k != "clients"}
+    out = {k: v for k, v in row.items() if k not in ("clients", "attackers")}
+    if "aggregator" in out:
+        out["aggregator"] = {k: v for k, v in out["aggregator"].items() if k != "flagged"}
     for key in ("rejected", "lost"):
         if key in out:
             out[key] = [{"reason": item["reason"]} for item in out[key]]

@@ -3,7 +3,8 @@
 Every ``checkpoint_every`` rounds (and after the last) the run directory gets a
 checkpoint with everything needed to continue exactly: the server's state and
 optimiser, every client's state (:class:`~contrafl.engine.client_store.ClientStore`),
-the metrics so far and the communication totals. Every random stream is derived from
+the metrics so far, the communication totals and a robust aggregator's state (centered
+clipping's previous aggregates). Every random stream is derived from
 (seed, round, client) (:mod:`contrafl.rng`), so :meth:`Resumable.restore` followed by
 :meth:`~contrafl.engine.simulation.Simulation.run` continues with the same numbers as a
 run that was never stopped.
@@ -43,6 +44,7 @@ class Resumable:
                 "history": self.history,
                 "comm_total": self.comm_total,
                 "privacy": self.privacy.state_dict() if self.privacy is not None else {},
+                **({"aggregator": self.robust.state_dict()} if self.robust is not None else {}),
                 "wall_time_s": self.wall_time_before + seconds,
                 **({"extensions": self.extensions} if self.extensions else {}),
                 **({"placement": self.placement} if self.placement else {}),
@@ -72,6 +74,8 @@ class Resumable:
         if self.privacy is not None:  # the rows metrics.jsonl published after the checkpoint count too
             later = [r for r in self.run_dir.rows("metrics.jsonl") if is_whole(r.get("round")) and r["round"] > self.rounds_done] if self.run_dir else []
             self.privacy.load_state_dict(checkpoint.get("privacy", {}), self.history + later, f"checkpoint {path}")
+        if self.robust is not None:
+            self.robust.load_state_dict(on_device.get("aggregator", {}))
         self.extensions = [dict(e) for e in checkpoint.get("extensions", [])]
         self.placement = dict(checkpoint.get("placement", {}))
         before = checkpoint["config"].get("rounds")

@@ -37,7 +37,9 @@ from ..words import count
 from ..execution.context import Setup
 from ..execution.distributed import can_fork, launched
 from .sampling import clients_per_round
+from .attacking import resolve_attack
 from .privacy import MODES, DPParams
+from .robustness import resolve_aggregator
 
 
 def resolve_device(name: str) -> torch.device:
@@ -151,6 +153,11 @@ def resolve(cfg: Config) -> Config:
             "use stragglers=drop, or algorithm=fedprox (algorithm.mu=0 is FedAvg that keeps partial work)"
         )
     dp = resolve_dp(cfg.dp, algo_cls, algo_params)
+    per_round = clients_per_round(num_clients, cfg.sample_fraction if algo_cls.samples_clients else 1.0)
+    aggregator = resolve_aggregator(cfg.aggregator, algo_cls, algo_params, dp.name, per_round)
+    attack = resolve_attack(cfg.attack, num_clients, per_round)
+    if attack.name != "none" and not algo_cls.samples_clients:
+        raise ConfigError(f"attack={attack.name} crafts what clients send, and {algo_cls.name}'s clients send nothing; leave attack unset")
     if dp.name == "central" and cfg.update_outlier_factor > 0:
         raise ConfigError(
             f"update_outlier_factor={cfg.update_outlier_factor:g} judges updates by their norms before dp=central clips them, "
@@ -190,6 +197,8 @@ def resolve(cfg: Config) -> Config:
         model=Component(model_spec.name, {**P.to_dict(head), **P.to_dict(backbone)}),
         algorithm=Component(algo_cls.name, P.to_dict(algo_params)),
         dp=dp,
+        aggregator=aggregator,
+        attack=attack,
         data_dir=str(Path(cfg.data_dir).expanduser().resolve()) if cfg.data_dir else None,
         num_clients=num_clients,
         rounds=cfg.rounds if cfg.rounds is not None else rec["rounds"],
@@ -529,11 +538,15 @@ def build(requested: Config, cfg: Config, data: FederatedDataset, partition: Par
         rep_dim=model.out_dim,
         client_sizes=tuple(len(rows) for rows in partition.train),
     )
+    algorithm = algo_cls(algo_params, federation)
+    if cfg.attack.name != "none":  # an attack on per-label tables needs replies that carry them
+        message = algorithm.broadcast(algorithm.init_server(dict(model.state_dict())), 0)
+        resolve_attack(cfg.attack, cfg.num_clients, cfg.num_clients, has_tables(algorithm.reply_spec(message)))
     return Setup(
         config=cfg,
         data=data,
         partition=partition,
-        algorithm=algo_cls(algo_params, federation),
+        algorithm=algorithm,
         model=model,
         model_factory=model_factory,
         train_transform=train_transform,
@@ -541,6 +554,16 @@ def build(requested: Config, cfg: Config, data: FederatedDataset, partition: Par
         device=device,
         warnings=[*notes, *setup_warnings(requested, cfg, algo_cls, partition)],
     )
+
+
+def has_tables(spec: Any) -> bool:
+    """Whether a reply of :class:`~contrafl.algorithms.base.TensorSpec` tree ``spec``
+    carries a per-label table (``reps`` with ``counts`` or ``mask``)."""
+    if isinstance(spec, dict):
+        return ("reps" in spec and ("counts" in spec or "mask" in spec)) or any(has_tables(v) for v in spec.values())
+    if isinstance(spec, (list, tuple)):
+        return any(has_tables(v) for v in spec)
+    return False
 
 
 def federation_data(cfg: Config) -> FederatedDataset:

@@ -49,6 +49,7 @@ from ..execution.signals import interrupts, signal_name, stop_point
 from ..execution.validate import PendingCheck, norm_outliers
 from ..execution.work import RoundWork
 from ..rng import generator
+from .attacking import Attack
 from .client_store import ClientStore
 from .comm import add_bytes, payload_bytes
 from .evaluation import Evaluation
@@ -56,6 +57,7 @@ from .outputs import Outputs, without_clients
 from .privacy import LEDGER, Privacy, require_accounting
 from .progress import Progress
 from .resumable import Resumable
+from .robustness import RobustAggregation, detection
 from .run_dir import RunDir
 from .sampling import sample_schedule, secret_sample
 from .setup import choose_executor, prepare
@@ -105,6 +107,10 @@ class Simulation(LocalClients, Resumable, Evaluation, Outputs):
         initial = {k: v.detach().clone() for k, v in setup.model.state_dict().items()}
         self.server = self.algorithm.init_server(initial)
         self.server_opt = ServerOptimizer(cfg.server_lr, cfg.server_momentum)
+        self.robust = RobustAggregation.of(cfg.aggregator)
+        """The robust rule in place of the algorithm's means (``aggregator``), or None."""
+        self.attack = Attack.of(cfg)
+        """The run's Byzantine clients (``attack``), or None."""
         self.schedule = sample_schedule(cfg.num_clients, cfg.sample_fraction, cfg.rounds, cfg.seed)
         """Each round's clients drawn from the seed (:meth:`sample`: the round's actual
         clients, which ``sampling=secret`` draws otherwise; time estimates take this one)."""
@@ -262,6 +268,7 @@ class Simulation(LocalClients, Resumable, Evaluation, Outputs):
         for cid in dropped:
             lost[cid] = f"dropped out (client_dropout={cfg.client_dropout:g})"
         replying = [cid for cid in sampled if cid not in dropped]
+        byzantine = self.attack.attackers(t, sampled) if self.attack is not None else []
         work = self.round_work = RoundWork(t + 1, len(replying))
         if self.transport is not None:
             outcomes = self.transport.train(t, replying, message_for, phases)
@@ -286,12 +293,17 @@ class Simulation(LocalClients, Resumable, Evaluation, Outputs):
             reply = outcome.reply
             add_bytes(up, payload_bytes(reply.payload))
             arrived[cid] = reply
-            if not outcome.checked:
+            if not outcome.checked and cid not in byzantine:  # an attacker's reply is checked once crafted
                 checks[cid] = (self.begin_reply_check(cid, reply, own_messages.get(cid, broadcast), specs), reply)
             if outcome.loss is not None:
                 losses[cid] = outcome.loss
             parts[cid] = outcome.parts
             steps += outcome.steps
+        if byzantine:  # the attackers craft their replies from the round's (omniscient attacks: from the honest ones)
+            crafted = self.attack.craft(t, arrived, byzantine, {c: own_messages.get(c, broadcast) for c in arrived})
+            for cid, reply in crafted.items():
+                arrived[cid] = reply
+                checks[cid] = (self.begin_reply_check(cid, reply, own_messages.get(cid, broadcast), specs), reply)
         sums = getattr(self.transport, "sums", False)
         for cid, reason in self.reply_problems(checks, lambda c: own_messages.get(c, broadcast), sums).items():
             rejected[cid] = self.reject(cid, reason, t)
@@ -308,6 +320,11 @@ class Simulation(LocalClients, Resumable, Evaluation, Outputs):
                 replies, privacy["dp_clipped"] = self.privacy.central(replies, messages, t)
             privacy |= self.privacy.record(t, replies if self.privacy.mode == "central" else received)
 
+        robustness: dict[str, Any] = {}
+        if self.robust is not None and replies:
+            replies, robustness = self.robust.apply(replies, {r.cid: own_messages.get(r.cid, broadcast) for r in replies})
+            if self.attack is not None:
+                robustness |= detection(robustness.get("flagged"), byzantine, [r.cid for r in replies])
         if replies:
             old = self.server.model
             self.server = algo.aggregate(self.server, replies, t)
@@ -331,6 +348,10 @@ class Simulation(LocalClients, Resumable, Evaluation, Outputs):
             row["lost"] = [{"client": cid, "reason": why} for cid, why in sorted(lost.items())]
         if stragglers:
             row["stragglers"] = sorted(stragglers, key=lambda c: c["client"])
+        if self.attack is not None:
+            row["attackers"] = byzantine
+        if robustness:
+            row["aggregator"] = robustness
         if self.timed:
             row["round_time"] = self.round_time(times, bool(lost or stragglers))
         if cfg.sampling == "secret":

@@ -68,6 +68,9 @@ class ReplyChecks:
         """Whether the server may get the valid replies of a share of a round's clients as
         their sample-weighted mean (:mod:`contrafl.execution.partial`): the algorithm's
         aggregate needs no more (``beyond_weighted_mean``), and no setting looks at single
-        updates (differential privacy, ``update_outlier_factor``)."""
+        updates (differential privacy, ``update_outlier_factor``, a robust ``aggregator``,
+        an ``attack``)."""
         algo = self.algorithm
-        return algo.beyond_weighted_mean(algo.params) is None and self.privacy is None and not self.cfg.update_outlier_factor
+        cfg = self.cfg
+        singles = cfg.update_outlier_factor or cfg.aggregator.name != "mean" or cfg.attack.name != "none"
+        return algo.beyond_weighted_mean(algo.params) is None and self.privacy is None and not singles

@@ -133,6 +133,10 @@ def refusal(algo_cls: type, algo_params: Any, cfg: Any) -> str | None:
         return why
     if cfg.dp.name == "central":
         return "dp=central clips each update at the server, which secure aggregation hides from it (dp=local adds the noise on the clients)"
+    if cfg.aggregator.name != "mean":
+        return f"aggregator={cfg.aggregator.name} needs every client's update, and secure aggregation gives the server only their sum; use aggregator=mean"
+    if cfg.attack.name != "none":
+        return f"attack={cfg.attack.name} is crafted at the server from the clients' single replies, which secure aggregation hides; simulate it without secure aggregation"
     if cfg.round_deadline is not None:
         return "a straggler dropped at round_deadline sends no update for SecAgg+ to mask"
     if cfg.client_speed != "constant" or cfg.speed_jitter > 0:

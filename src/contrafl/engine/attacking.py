@@ -1,0 +1,208 @@
+"""Byzantine clients as a setting of every algorithm (``attack=NAME``).
+
+Threat model: a fraction of the clients (``attack.fraction``, or ``attack.clients`` by
+id), chosen from the seed once for the run (``attack.choice=fixed``) or among each round's
+sample (``per_round``), send crafted replies. They collude and, for the omniscient attacks
+of the papers, see the round's honest updates (``attack.omniscient=false``: only their
+own). They control their whole reply: its update and its per-label tables, within the
+checks the server makes (shapes, finite values, possible label counts). The server does
+not know who they are; ``metrics.jsonl`` records them, for measuring the aggregator.
+
+Update attacks work on each reply's update as one vector, as
+:mod:`contrafl.engine.robustness` reads it (``u = p - m``, every floating-point tensor of
+the payload, per-label tables' rows included): the attackers' updates are replaced by
+:mod:`contrafl.algorithms.attacks`' vector made from the honest ones, ``p <- m + u_attack``.
+``prototype_poisoning`` sends each held label's prototype and count under the flipped
+label ``C - 1 - c`` (algorithms whose replies carry per-label tables).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .. import params as P
+from ..algorithms import attacks
+from ..algorithms.base import Reply
+from ..config import Component
+from ..errors import ConfigError
+from ..execution.validate import is_label_table, map_update, updates
+from ..rng import generator
+
+ATTACKS = {
+    "none": "no Byzantine clients (the default)",
+    "sign_flipping": "the opposite of the honest mean (Allen-Zhu et al. 2021)",
+    "gaussian": "N(mu, sigma^2) noise in every coordinate (Blanchard et al. 2017)",
+    "scaling": "the attacker's own update times attack.scale (Bagdasaryan et al. 2020's boosting)",
+    "alie": "A Little Is Enough: mean - z std of the honest updates (Baruch et al. 2019)",
+    "inner_product_manipulation": "-epsilon times the honest mean (Xie et al. 2019)",
+    "min_max": "mean + gamma perturbation, no farther from any update than the farthest two (Shejwalkar and Houmansadr 2021)",
+    "min_sum": "mean + gamma perturbation, summed squared distances within the honest ones' largest (Shejwalkar and Houmansadr 2021)",
+    "prototype_poisoning": "each held label's prototype and count sent under label C - 1 - c (per-label tables: FedCRL, FedProto)",
+}
+NAMES = tuple(ATTACKS)
+OMNISCIENT = ("sign_flipping", "alie", "inner_product_manipulation", "min_max", "min_sum")
+
+
+@dataclass(frozen=True)
+class AttackParams:
+    """Options of the ``attack`` setting."""
+
+    fraction: float = P.param(0.2, P.Interval(0, 0.5, "left"), "fraction of the clients that are Byzantine (ignored with attack.clients)")
+    clients: list[int] | None = P.param(None, None, "the Byzantine clients by id, e.g. [0,3] (instead of attack.fraction)")
+    choice: str = P.param("fixed", P.OneOf(("fixed", "per_round")), "fixed: the same clients every round, drawn once from the seed; per_round: drawn among each round's sample")
+    omniscient: bool = P.param(True, None, "the attackers see the round's honest updates, as in the papers; false: only their own")
+    mu: float = P.param(0.0, None, "gaussian: the noise's mean")
+    sigma: float = P.param(1.0, P.Interval(0, None), "gaussian: the noise's standard deviation")
+    scale: float = P.param(10.0, P.Interval(0, None, "neither"), "scaling: the factor on the attacker's own update (n / server_lr replaces the global model, Bagdasaryan et al.)")
+    epsilon: float = P.param(0.1, P.Interval(0, None, "neither"), "inner_product_manipulation: x = -epsilon mean")
+    z: float | None = P.param(None, None, "alie: x = mean - z std (none: the paper's z_max for the round's clients)")
+    perturbation: str = P.param("unit_vec", P.OneOf(("unit_vec", "std", "sign")), "min_max, min_sum: the perturbation direction")
+
+
+READS = {
+    "sign_flipping": ("omniscient",),
+    "gaussian": ("mu", "sigma"),
+    "scaling": ("scale",),
+    "alie": ("omniscient", "z"),
+    "inner_product_manipulation": ("omniscient", "epsilon"),
+    "min_max": ("omniscient", "perturbation"),
+    "min_sum": ("omniscient", "perturbation"),
+    "prototype_poisoning": (),
+}
+CHOOSING = ("fraction", "clients", "choice")
+
+
+def resolve_attack(component: Component, num_clients: int, clients_per_round: int, has_tables: bool | None = None) -> Component:
+    """The ``attack`` component validated and in canonical form; one-line errors for an
+    unknown attack, an option it does not read, a fraction outside [0, 0.5) or one that
+    makes no attacker, unknown client ids, and ``prototype_poisoning`` on replies
+    without per-label tables (``has_tables`` False; None: not known yet)."""
+    name = P.fold(component.name)
+    if name not in ATTACKS:
+        raise ConfigError(f"attack={component.name!r} is invalid: expected one of {', '.join(NAMES)}{P.suggest(component.name, list(NAMES))}; set it with attack=NAME (docs/robustness.md)")
+    if name == "none":
+        if component.options:
+            raise ConfigError(f"attack.{next(iter(component.options))} is set but attack=none; choose an attack, e.g. attack=sign_flipping")
+        return Component("none")
+    options = P.build(AttackParams, component.options, "attack")
+    ignored = [k for k in component.options if k not in READS[name] + CHOOSING]
+    if ignored:
+        readers = [a for a, keys in READS.items() if ignored[0] in keys]
+        raise ConfigError(f"attack.{ignored[0]} has no effect with attack={name} (it is read by {', '.join(readers)}); remove it")
+    if options.clients is not None:
+        if "fraction" in component.options:
+            raise ConfigError("attack.clients and attack.fraction both choose the attackers; give one")
+        if options.choice == "per_round":
+            raise ConfigError("attack.clients names fixed attackers, but attack.choice=per_round draws them each round; remove one")
+        bad = [c for c in options.clients if not 0 <= c < num_clients]
+        if bad:
+            raise ConfigError(f"attack.clients names client {bad[0]}, but the clients are 0..{num_clients - 1}; give ids in that range")
+        if not options.clients:
+            raise ConfigError("attack.clients=[] names no attacker; give ids, e.g. attack.clients=[0,3], or set attack=none")
+    else:
+        pool = num_clients if options.choice == "fixed" else clients_per_round
+        if round(options.fraction * pool) == 0:
+            raise ConfigError(f"attack.fraction={options.fraction:g} of {pool} clients makes no attacker; raise attack.fraction or set attack=none")
+    if name == "prototype_poisoning" and has_tables is False:
+        raise ConfigError("attack=prototype_poisoning poisons per-label tables (prototypes), and this algorithm's replies have none; use an update attack, e.g. attack=alie")
+    kept = {k: v for k, v in P.to_dict(options).items() if k in READS[name] + ("choice",) or (k == "clients" and v is not None) or (k == "fraction" and options.clients is None)}
+    return Component(name, kept)
+
+
+class Attack:
+    """A run's Byzantine clients and the replies they craft (the module doc)."""
+
+    def __init__(self, component: Component, num_clients: int, seed: int, server_lr: float) -> None:
+        self.name = component.name
+        self.params: AttackParams = P.build(AttackParams, component.options, "attack")
+        self.seed, self.server_lr = seed, server_lr
+        p = self.params
+        if p.clients is not None:
+            self.fixed: list[int] | None = sorted(set(p.clients))
+        elif p.choice == "fixed":
+            order = torch.randperm(num_clients, generator=generator(seed, "attackers")).tolist()
+            self.fixed = sorted(order[: round(p.fraction * num_clients)])
+        else:
+            self.fixed = None
+
+    @classmethod
+    def of(cls, cfg: Any) -> Attack | None:
+        """The run's attack, or None for ``attack=none``."""
+        return None if cfg.attack.name == "none" else cls(cfg.attack, cfg.num_clients, cfg.seed, cfg.server_lr)
+
+    def attackers(self, t: int, sampled: Sequence[int]) -> list[int]:
+        """Round ``t``'s Byzantine clients among its ``sampled`` ones."""
+        if self.fixed is not None:
+            return [c for c in sampled if c in set(self.fixed)]
+        order = torch.randperm(len(sampled), generator=generator(self.seed, "attackers", t)).tolist()
+        return sorted(sampled[i] for i in order[: round(self.params.fraction * len(sampled))])
+
+    def craft(self, t: int, replies: Mapping[int, Reply], byzantine: Sequence[int], message_of: Mapping[int, Any]) -> dict[int, Reply]:
+        """The crafted replies of the round's ``byzantine`` clients that replied, from
+        every reply that reached the server (``replies``, by client) and each client's
+        message."""
+        mine = [c for c in byzantine if c in replies]
+        if not mine:
+            return {}
+        if self.name == "prototype_poisoning":
+            return {c: dataclasses.replace(replies[c], payload=_flip_tables(replies[c].payload)) for c in mine}
+        honest = [c for c in sorted(replies) if c not in set(mine)]
+        seen = honest if self.params.omniscient and honest else mine
+        vectors = {c: updates(replies[c].payload, message_of[c]) for c in set(seen) | set(mine)}
+        like = vectors[mine[0]]
+        stacked = torch.stack([torch.cat([u.reshape(-1).double() for u in vectors[c]]) for c in seen])
+        out = {}
+        shared = None if self.name == "gaussian" else self.vector(stacked, len(mine), len(replies))
+        for c in mine:
+            if self.name == "gaussian":
+                x = attacks.gaussian(stacked, self.params.mu, self.params.sigma, generator(self.seed, "attack", t, c))
+            elif self.name == "scaling":
+                x = self.params.scale * torch.cat([u.reshape(-1).double() for u in vectors[c]])
+            else:
+                x = shared
+            pieces, offset = [], 0
+            for u in like:
+                pieces.append(x[offset : offset + u.numel()].view(u.shape))
+                offset += u.numel()
+            out[c] = dataclasses.replace(replies[c], payload=map_update(replies[c].payload, message_of[c], lambda k, u: pieces[k].to(u)))
+        return out
+
+    def vector(self, honest: torch.Tensor, f: int, n: int) -> torch.Tensor | None:
+        """The omniscient attacks' one vector from the ``honest`` updates ``[h, d]``, for
+        ``f`` attackers among ``n`` replies."""
+        p = self.params
+        if self.name == "sign_flipping":
+            return attacks.sign_flipping(honest)
+        if self.name == "inner_product_manipulation":
+            return attacks.inner_product_manipulation(honest, p.epsilon)
+        if self.name == "alie":
+            if len(honest) < 2:
+                return honest.mean(dim=0)  # no spread to hide in
+            z = p.z if p.z is not None else attacks.alie_z_max(n, f) if 0 < (n // 2 + 1) - f < n else 0.0
+            return attacks.alie(honest, f, z)
+        if self.name == "min_max":
+            return attacks.min_max(honest, p.perturbation) if len(honest) > 1 else honest.mean(dim=0)
+        if self.name == "min_sum":
+            return attacks.min_sum(honest, p.perturbation) if len(honest) > 1 else honest.mean(dim=0)
+        return None
+
+
+def _flip_tables(payload: Any) -> Any:
+    """``payload`` with every per-label table's rows and counts reversed (label ``c``'s
+    sent as ``C - 1 - c``)."""
+    if is_label_table(payload):
+        flipped = dict(payload)
+        for key in ("reps", "counts", "mask"):  # a compact table's rows (FedSSC's, marked labels only) reverse with its mask
+            if isinstance(payload.get(key), torch.Tensor):
+                flipped[key] = payload[key].flip(0)
+        return flipped
+    if isinstance(payload, Mapping):
+        return {k: _flip_tables(v) for k, v in payload.items()}
+    if isinstance(payload, (list, tuple)):
+        return type(payload)(_flip_tables(v) for v in payload)
+    return payload
