@@ -206,3 +206,53 @@ def test_distributed_workers_send_single_replies_when_the_server_needs_them():
 def test_config_errors_name_the_setting(tmp_path):
     with pytest.raises(ConfigError, match="aggregator=krum"):
         resolve(load_config(None, [*RUN, "aggregator=krum", "aggregator.f=3"]))
+
+
+def test_data_attacks_poison_only_the_attackers_rows():
+    setup = prepare(load_config(None, [*RUN]))
+    data, partition = setup.data, setup.partition
+    flipped = Attack(Component("label_flipping", {"clients": [1]}), 6, 0, 1.0).poisoned(data, partition)
+    rows = torch.as_tensor(partition.train[1])
+    others = torch.ones(len(data.train.y), dtype=torch.bool)
+    others[rows] = False
+    assert torch.equal(flipped.train.y[rows], 9 - data.train.y[rows])
+    assert torch.equal(flipped.train.y[others], data.train.y[others]) and torch.equal(flipped.train.x, data.train.x)
+    attack = Attack(Component("backdoor", {"clients": [2], "poison": 0.5, "target": 3, "trigger": 4}), 6, 0, 1.0)
+    poisoned = attack.poisoned(data, partition)
+    rows = torch.as_tensor(partition.train[2])
+    changed = (poisoned.train.x != data.train.x).any(dim=1) | (poisoned.train.y != data.train.y)
+    assert set(torch.nonzero(changed).flatten().tolist()) <= set(rows.tolist())
+    marked = (poisoned.train.x[rows, -4:] == data.train.x.max()).all(dim=1)
+    assert int(marked.sum()) >= round(0.5 * len(rows)) - int(((data.train.x[rows, -4:] == data.train.x.max()).all(dim=1)).sum())
+    assert bool((poisoned.train.y[rows][marked & changed[rows]] == 3).all())
+    test = attack.test_sets(data.test)["backdoor_success"]
+    assert bool((test.y == 3).all()) and len(test.y) == int((data.test.y != 3).sum())
+    assert bool((test.x[:, -4:] == data.test.x.max()).all())
+
+
+def test_a_model_replacement_backdoor_succeeds_against_the_mean_and_fails_against_norm_bounding(tmp_path):
+    """Bagdasaryan et al.'s attack on a small fixed case: one of six clients trains on
+    half-backdoored data and, in the last round, scales its update by n / server_lr. The
+    mean takes the backdoor (success rate above 0.9); norm bounding, with the median norm
+    as its radius, keeps the clean accuracy and the success rate below 0.9."""
+    settings = ["num_clients=6", "rounds=6", "lr=0.05", "executor=sequential", "attack=model_replacement", "attack.clients=[0]", "attack.rounds=[6]"]
+    results = {}
+    for aggregator in ("mean", "norm_bound"):
+        out = tmp_path / aggregator
+        assert main(["run", "--quiet", "--out", str(out), *settings, f"aggregator={aggregator}"]) == 0
+        results[aggregator] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][-1]
+    assert results["mean"]["backdoor_success"] > 0.9
+    assert results["norm_bound"]["backdoor_success"] < 0.9 and results["norm_bound"]["test_acc"] > 0.9
+    assert results["norm_bound"]["aggregator"]["flagged"] == [0]
+
+
+@pytest.mark.parametrize("settings, message", [
+    (["attack=backdoor", "algorithm=fedbyol"], "poisons labels, and this algorithm learns without them"),
+    (["attack=label_flipping", "attack.choice=per_round"], "cannot change from round to round; set attack.choice=fixed"),
+    (["attack=backdoor", "attack.target=10"], "attack.target=10 is not a label of the dataset's 10"),
+    (["attack=alie", "attack.rounds=[0]"], "must list rounds from 1"),
+])
+def test_data_attack_settings_that_cannot_work_are_one_line_errors(tmp_path, capsys, settings, message):
+    assert main(["run", "--out", str(tmp_path / "run"), *RUN, *settings]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1, err

@@ -14,6 +14,16 @@ the payload, per-label tables' rows included): the attackers' updates are replac
 :mod:`contrafl.algorithms.attacks`' vector made from the honest ones, ``p <- m + u_attack``.
 ``prototype_poisoning`` sends each held label's prototype and count under the flipped
 label ``C - 1 - c`` (algorithms whose replies carry per-label tables).
+
+Data attacks poison the attackers' training samples before the run (:meth:`Attack.poisoned`;
+fixed attackers): ``label_flipping`` trains on labels ``C - 1 - y``, ``backdoor`` on a
+fraction ``attack.poison`` of its samples carrying a trigger (a white square of
+``attack.trigger`` pixels in the bottom-right corner of images, the last ``attack.trigger``
+features at the dataset's maximum for vectors) labelled ``attack.target``;
+``model_replacement`` is the backdoor with the update scaled by ``n / server_lr``
+(Bagdasaryan et al. 2020), so that it replaces the global model under the mean. The
+backdoor's success rate is the global model's accuracy on the test samples of other
+labels with the trigger, against the target (``backdoor_success``).
 """
 
 from __future__ import annotations
@@ -29,6 +39,8 @@ from .. import params as P
 from ..algorithms import attacks
 from ..algorithms.base import Reply
 from ..config import Component
+from ..data.base import ArrayDataset, FederatedDataset
+from ..data.partition import Partition
 from ..errors import ConfigError
 from ..execution.validate import is_label_table, map_update, updates
 from ..rng import generator
@@ -43,9 +55,14 @@ ATTACKS = {
     "min_max": "mean + gamma perturbation, no farther from any update than the farthest two (Shejwalkar and Houmansadr 2021)",
     "min_sum": "mean + gamma perturbation, summed squared distances within the honest ones' largest (Shejwalkar and Houmansadr 2021)",
     "prototype_poisoning": "each held label's prototype and count sent under label C - 1 - c (per-label tables: FedCRL, FedProto)",
+    "label_flipping": "train on labels C - 1 - y (Fang et al. 2020's label flipping)",
+    "backdoor": "train on samples with a pixel-pattern trigger labelled attack.target (Gu et al. 2017; success rate measured)",
+    "model_replacement": "the backdoor with the update scaled by n / server_lr to replace the global model (Bagdasaryan et al. 2020)",
 }
 NAMES = tuple(ATTACKS)
 OMNISCIENT = ("sign_flipping", "alie", "inner_product_manipulation", "min_max", "min_sum")
+DATA_ATTACKS = ("label_flipping", "backdoor", "model_replacement")
+"""Attacks on the attackers' training data, which need labels and fixed attackers."""
 
 
 @dataclass(frozen=True)
@@ -55,13 +72,17 @@ class AttackParams:
     fraction: float = P.param(0.2, P.Interval(0, 0.5, "left"), "fraction of the clients that are Byzantine (ignored with attack.clients)")
     clients: list[int] | None = P.param(None, None, "the Byzantine clients by id, e.g. [0,3] (instead of attack.fraction)")
     choice: str = P.param("fixed", P.OneOf(("fixed", "per_round")), "fixed: the same clients every round, drawn once from the seed; per_round: drawn among each round's sample")
+    rounds: list[int] | None = P.param(None, None, "the rounds (from 1) in which the attackers craft their replies, e.g. [10] (none: every round); data attacks train on poisoned data in every round, model_replacement scales only in these")
     omniscient: bool = P.param(True, None, "the attackers see the round's honest updates, as in the papers; false: only their own")
     mu: float = P.param(0.0, None, "gaussian: the noise's mean")
     sigma: float = P.param(1.0, P.Interval(0, None), "gaussian: the noise's standard deviation")
-    scale: float = P.param(10.0, P.Interval(0, None, "neither"), "scaling: the factor on the attacker's own update (n / server_lr replaces the global model, Bagdasaryan et al.)")
+    scale: float | None = P.param(None, P.Interval(0, None, "neither"), "scaling, backdoor, model_replacement: the factor on the attacker's own update (none: 1 for backdoor, else n / server_lr, which replaces the global model under the mean)")
     epsilon: float = P.param(0.1, P.Interval(0, None, "neither"), "inner_product_manipulation: x = -epsilon mean")
     z: float | None = P.param(None, None, "alie: x = mean - z std (none: the paper's z_max for the round's clients)")
     perturbation: str = P.param("unit_vec", P.OneOf(("unit_vec", "std", "sign")), "min_max, min_sum: the perturbation direction")
+    target: int = P.param(0, P.Interval(0, None), "backdoor, model_replacement: the label the trigger leads to")
+    poison: float = P.param(0.5, P.Interval(0, 1, "right"), "backdoor, model_replacement: fraction of the attacker's samples that carry the trigger")
+    trigger: int = P.param(3, P.Interval(1, None), "backdoor, model_replacement: side of the trigger square in pixels (images) or number of features (vectors)")
 
 
 READS = {
@@ -73,15 +94,21 @@ READS = {
     "min_max": ("omniscient", "perturbation"),
     "min_sum": ("omniscient", "perturbation"),
     "prototype_poisoning": (),
+    "label_flipping": (),
+    "backdoor": ("target", "poison", "trigger", "scale"),
+    "model_replacement": ("target", "poison", "trigger", "scale"),
 }
-CHOOSING = ("fraction", "clients", "choice")
+CHOOSING = ("fraction", "clients", "choice", "rounds")
 
 
-def resolve_attack(component: Component, num_clients: int, clients_per_round: int, has_tables: bool | None = None) -> Component:
+def resolve_attack(component: Component, num_clients: int, clients_per_round: int, has_tables: bool | None = None,
+                   supervised: bool = True, num_classes: int | None = None) -> Component:
     """The ``attack`` component validated and in canonical form; one-line errors for an
     unknown attack, an option it does not read, a fraction outside [0, 0.5) or one that
-    makes no attacker, unknown client ids, and ``prototype_poisoning`` on replies
-    without per-label tables (``has_tables`` False; None: not known yet)."""
+    makes no attacker, unknown client ids, ``prototype_poisoning`` on replies without
+    per-label tables (``has_tables`` False; None: not known yet), a data attack on a
+    self-supervised algorithm, with attackers drawn per round, or with a target label
+    beyond ``num_classes``."""
     name = P.fold(component.name)
     if name not in ATTACKS:
         raise ConfigError(f"attack={component.name!r} is invalid: expected one of {', '.join(NAMES)}{P.suggest(component.name, list(NAMES))}; set it with attack=NAME (docs/robustness.md)")
@@ -108,9 +135,19 @@ def resolve_attack(component: Component, num_clients: int, clients_per_round: in
         pool = num_clients if options.choice == "fixed" else clients_per_round
         if round(options.fraction * pool) == 0:
             raise ConfigError(f"attack.fraction={options.fraction:g} of {pool} clients makes no attacker; raise attack.fraction or set attack=none")
+    if name in DATA_ATTACKS:
+        if not supervised:
+            raise ConfigError(f"attack={name} poisons labels, and this algorithm learns without them; use an update attack, e.g. attack=alie")
+        if options.choice == "per_round":
+            raise ConfigError(f"attack={name} poisons the attackers' data before the run, so they cannot change from round to round; set attack.choice=fixed")
+        if num_classes is not None and options.target >= num_classes:
+            raise ConfigError(f"attack.target={options.target} is not a label of the dataset's {num_classes}; give a label in 0..{num_classes - 1}")
+    if options.rounds is not None and (not options.rounds or min(options.rounds) < 1):
+        raise ConfigError(f"attack.rounds={options.rounds} must list rounds from 1, e.g. attack.rounds=[10]; leave it unset to attack every round")
     if name == "prototype_poisoning" and has_tables is False:
         raise ConfigError("attack=prototype_poisoning poisons per-label tables (prototypes), and this algorithm's replies have none; use an update attack, e.g. attack=alie")
-    kept = {k: v for k, v in P.to_dict(options).items() if k in READS[name] + ("choice",) or (k == "clients" and v is not None) or (k == "fraction" and options.clients is None)}
+    kept = {k: v for k, v in P.to_dict(options).items() if k in READS[name] + ("choice",) or (k in ("clients", "rounds") and v is not None)
+            or (k == "fraction" and options.clients is None)}
     return Component(name, kept)
 
 
@@ -147,10 +184,15 @@ class Attack:
         every reply that reached the server (``replies``, by client) and each client's
         message."""
         mine = [c for c in byzantine if c in replies]
-        if not mine:
+        if not mine or (self.params.rounds is not None and t + 1 not in self.params.rounds):
             return {}
         if self.name == "prototype_poisoning":
             return {c: dataclasses.replace(replies[c], payload=_flip_tables(replies[c].payload)) for c in mine}
+        if self.name in DATA_ATTACKS:  # trained on poisoned data; scaled where asked
+            scale = self.params.scale if self.params.scale is not None else 1.0 if self.name == "backdoor" else len(replies) / self.server_lr
+            if self.name == "label_flipping" or scale == 1.0:
+                return {}
+            return {c: dataclasses.replace(replies[c], payload=map_update(replies[c].payload, message_of[c], lambda k, u: u * scale)) for c in mine}
         honest = [c for c in sorted(replies) if c not in set(mine)]
         seen = honest if self.params.omniscient and honest else mine
         vectors = {c: updates(replies[c].payload, message_of[c]) for c in set(seen) | set(mine)}
@@ -162,7 +204,8 @@ class Attack:
             if self.name == "gaussian":
                 x = attacks.gaussian(stacked, self.params.mu, self.params.sigma, generator(self.seed, "attack", t, c))
             elif self.name == "scaling":
-                x = self.params.scale * torch.cat([u.reshape(-1).double() for u in vectors[c]])
+                scale = self.params.scale if self.params.scale is not None else len(replies) / self.server_lr
+                x = scale * torch.cat([u.reshape(-1).double() for u in vectors[c]])
             else:
                 x = shared
             pieces, offset = [], 0
@@ -190,6 +233,47 @@ class Attack:
         if self.name == "min_sum":
             return attacks.min_sum(honest, p.perturbation) if len(honest) > 1 else honest.mean(dim=0)
         return None
+
+
+    def poisoned(self, data: FederatedDataset, partition: Partition) -> FederatedDataset:
+        """``data`` with the attackers' training samples poisoned (data attacks; the
+        module doc), the rest as they are. The samples chosen to carry the trigger come
+        from the stream ``(seed, "poison", client)``."""
+        if self.name not in DATA_ATTACKS:
+            return data
+        x, y = data.train.x.clone(), data.train.y.clone()
+        for c in self.fixed or []:
+            rows = torch.as_tensor(partition.train[c], dtype=torch.long)
+            if self.name == "label_flipping":
+                y[rows] = data.num_classes - 1 - y[rows]
+                continue
+            chosen = rows[torch.randperm(len(rows), generator=generator(self.seed, "poison", c))[: round(self.params.poison * len(rows))]]
+            x[chosen] = self.triggered(x[chosen])
+            y[chosen] = self.params.target
+        return dataclasses.replace(data, train=ArrayDataset(x, y))
+
+    def triggered(self, x: torch.Tensor) -> torch.Tensor:
+        """Samples ``x`` with the trigger: the bottom-right ``trigger x trigger`` square of
+        images (``[N, C, H, W]``) or the last ``trigger`` features of vectors at the
+        dtype's (uint8 images) or the samples' maximum."""
+        x, k = x.clone(), self.params.trigger
+        top = torch.iinfo(x.dtype).max if not x.is_floating_point() else (float(x.max()) if x.numel() else 1.0)
+        if x.dim() == 4:
+            x[:, :, -k:, -k:] = top
+        else:
+            x[..., -k:] = top
+        return x
+
+    def test_sets(self, test: ArrayDataset) -> dict[str, ArrayDataset]:
+        """What the global model is evaluated on besides the test set, by metric name:
+        ``backdoor_success``, the test samples of labels other than the target with the
+        trigger, labelled with the target (the accuracy on them is the attack's success
+        rate)."""
+        if self.name not in ("backdoor", "model_replacement"):
+            return {}
+        others = test.y != self.params.target
+        x = self.triggered(test.x[others].cpu()).to(test.x.device)
+        return {"backdoor_success": ArrayDataset(x, torch.full_like(test.y[others], self.params.target))}
 
 
 def _flip_tables(payload: Any) -> Any:

@@ -28,8 +28,9 @@ class Evaluation:
         return row
 
     def evaluate(self, next_round: int) -> dict[str, Any]:
-        """The global model on the test set (when there is one) and, with
-        ``eval_personal``, every client's model on its own test data."""
+        """The global model on the test set (when there is one) and on an attack's test
+        sets (``backdoor_success``) and, with ``eval_personal``, every client's model on
+        its own test data."""
         out: dict[str, Any] = {}
         bs, tf = self.cfg.eval_batch_size, self.setup.eval_transform
         if self.algorithm.evaluates_global and self.algorithm.supervised:
@@ -38,6 +39,9 @@ class Evaluation:
             elif len(self.test.y):
                 res = evaluate(self.net, self.server.model, self.test.x, self.test.y, tf, bs)
                 out["test_acc"], out["test_loss"] = res["acc"], res["loss"]
+            for name, data in self.attack_tests.items():  # an attack's own measure, e.g. the backdoor's success rate
+                if len(data.y):
+                    out[name] = evaluate(self.net, self.server.model, data.x, data.y, tf, bs)["acc"]
         if self.cfg.eval_personal:
             out.update(self.evaluate_clients(next_round))
         return out

@@ -37,7 +37,7 @@ from ..words import count
 from ..execution.context import Setup
 from ..execution.distributed import can_fork, launched
 from .sampling import clients_per_round
-from .attacking import resolve_attack
+from .attacking import Attack, resolve_attack
 from .privacy import MODES, DPParams
 from .robustness import resolve_aggregator
 
@@ -539,9 +539,12 @@ def build(requested: Config, cfg: Config, data: FederatedDataset, partition: Par
         client_sizes=tuple(len(rows) for rows in partition.train),
     )
     algorithm = algo_cls(algo_params, federation)
-    if cfg.attack.name != "none":  # an attack on per-label tables needs replies that carry them
+    attack = Attack.of(cfg)
+    if attack is not None:  # what an attack needs of the algorithm and the data; the attackers' data poisoned
         message = algorithm.broadcast(algorithm.init_server(dict(model.state_dict())), 0)
-        resolve_attack(cfg.attack, cfg.num_clients, cfg.num_clients, has_tables(algorithm.reply_spec(message)))
+        resolve_attack(cfg.attack, cfg.num_clients, cfg.num_clients, has_tables(algorithm.reply_spec(message)),
+                       algo_cls.supervised, data.num_classes)
+        data = attack.poisoned(data, partition)
     return Setup(
         config=cfg,
         data=data,

@@ -111,6 +111,8 @@ class Simulation(LocalClients, Resumable, Evaluation, Outputs):
         """The robust rule in place of the algorithm's means (``aggregator``), or None."""
         self.attack = Attack.of(cfg)
         """The run's Byzantine clients (``attack``), or None."""
+        self.attack_tests = self.attack.test_sets(self.test) if self.attack is not None else {}
+        """What the global model is evaluated on besides the test set (the backdoor's success rate)."""
         self.schedule = sample_schedule(cfg.num_clients, cfg.sample_fraction, cfg.rounds, cfg.seed)
         """Each round's clients drawn from the seed (:meth:`sample`: the round's actual
         clients, which ``sampling=secret`` draws otherwise; time estimates take this one)."""
@@ -301,9 +303,10 @@ class Simulation(LocalClients, Resumable, Evaluation, Outputs):
             steps += outcome.steps
         if byzantine:  # the attackers craft their replies from the round's (omniscient attacks: from the honest ones)
             crafted = self.attack.craft(t, arrived, byzantine, {c: own_messages.get(c, broadcast) for c in arrived})
-            for cid, reply in crafted.items():
-                arrived[cid] = reply
-                checks[cid] = (self.begin_reply_check(cid, reply, own_messages.get(cid, broadcast), specs), reply)
+            arrived.update(crafted)
+            for cid in byzantine:
+                if cid in arrived:
+                    checks[cid] = (self.begin_reply_check(cid, arrived[cid], own_messages.get(cid, broadcast), specs), arrived[cid])
         sums = getattr(self.transport, "sums", False)
         for cid, reason in self.reply_problems(checks, lambda c: own_messages.get(c, broadcast), sums).items():
             rejected[cid] = self.reject(cid, reason, t)
