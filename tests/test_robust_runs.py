@@ -256,3 +256,11 @@ def test_data_attack_settings_that_cannot_work_are_one_line_errors(tmp_path, cap
     assert main(["run", "--out", str(tmp_path / "run"), *RUN, *settings]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1, err
+
+
+def test_encoder_collapse_pulls_every_weight_matrix_to_zero_and_keeps_the_vectors():
+    message = {"model": {"w": torch.ones(3, 2), "b": torch.ones(3)}}
+    replies = {c: Reply(c, 5, {"model": {"w": torch.full((3, 2), 2.0), "b": torch.full((3,), 2.0)}}) for c in range(4)}
+    crafted = Attack(Component("encoder_collapse", {"clients": [0]}), 4, 0, 1.0).craft(0, replies, [0], {c: message for c in range(4)})[0]
+    assert torch.equal(crafted.payload["model"]["w"], torch.full((3, 2), 1.0 - 4))  # m + n (0 - m), n = 4 replies
+    assert torch.equal(crafted.payload["model"]["b"], torch.ones(3))  # the message's vectors

@@ -14,6 +14,12 @@ the payload, per-label tables' rows included): the attackers' updates are replac
 :mod:`contrafl.algorithms.attacks`' vector made from the honest ones, ``p <- m + u_attack``.
 ``prototype_poisoning`` sends each held label's prototype and count under the flipped
 label ``C - 1 - c`` (algorithms whose replies carry per-label tables).
+``encoder_collapse`` pulls the global model towards a collapsed one, ``X``: the message's
+model with every weight matrix and kernel (each tensor of two or more dimensions) zero,
+a constant map that gives every input the same representation (the failure
+self-supervised methods guard against): ``p = m + s (X - m)`` with ``s = n / server_lr``,
+model replacement's boost. Under the mean the round's model is then ``X`` plus the mean
+of the honest updates.
 
 Data attacks poison the attackers' training samples before the run (:meth:`Attack.poisoned`;
 fixed attackers): ``label_flipping`` trains on labels ``C - 1 - y``, ``backdoor`` on a
@@ -42,7 +48,7 @@ from ..config import Component
 from ..data.base import ArrayDataset, FederatedDataset
 from ..data.partition import Partition
 from ..errors import ConfigError
-from ..execution.validate import is_label_table, map_update, updates
+from ..execution.validate import float_leaves, is_label_table, map_update, updates
 from ..rng import generator
 
 ATTACKS = {
@@ -55,6 +61,7 @@ ATTACKS = {
     "min_max": "mean + gamma perturbation, no farther from any update than the farthest two (Shejwalkar and Houmansadr 2021)",
     "min_sum": "mean + gamma perturbation, summed squared distances within the honest ones' largest (Shejwalkar and Houmansadr 2021)",
     "prototype_poisoning": "each held label's prototype and count sent under label C - 1 - c (per-label tables: FedCRL, FedProto)",
+    "encoder_collapse": "pull the global model to a collapsed one (weight matrices 0: one representation for every input), boosted by n / server_lr",
     "label_flipping": "train on labels C - 1 - y (Fang et al. 2020's label flipping)",
     "backdoor": "train on samples with a pixel-pattern trigger labelled attack.target (Gu et al. 2017; success rate measured)",
     "model_replacement": "the backdoor with the update scaled by n / server_lr to replace the global model (Bagdasaryan et al. 2020)",
@@ -76,7 +83,7 @@ class AttackParams:
     omniscient: bool = P.param(True, None, "the attackers see the round's honest updates, as in the papers; false: only their own")
     mu: float = P.param(0.0, None, "gaussian: the noise's mean")
     sigma: float = P.param(1.0, P.Interval(0, None), "gaussian: the noise's standard deviation")
-    scale: float | None = P.param(None, P.Interval(0, None, "neither"), "scaling, backdoor, model_replacement: the factor on the attacker's own update (none: 1 for backdoor, else n / server_lr, which replaces the global model under the mean)")
+    scale: float | None = P.param(None, P.Interval(0, None, "neither"), "scaling, backdoor, model_replacement, encoder_collapse: the factor on the attacker's own update (none: 1 for backdoor, else n / server_lr, which replaces the global model under the mean)")
     epsilon: float = P.param(0.1, P.Interval(0, None, "neither"), "inner_product_manipulation: x = -epsilon mean")
     z: float | None = P.param(None, None, "alie: x = mean - z std (none: the paper's z_max for the round's clients)")
     perturbation: str = P.param("unit_vec", P.OneOf(("unit_vec", "std", "sign")), "min_max, min_sum: the perturbation direction")
@@ -94,6 +101,7 @@ READS = {
     "min_max": ("omniscient", "perturbation"),
     "min_sum": ("omniscient", "perturbation"),
     "prototype_poisoning": (),
+    "encoder_collapse": ("scale",),
     "label_flipping": (),
     "backdoor": ("target", "poison", "trigger", "scale"),
     "model_replacement": ("target", "poison", "trigger", "scale"),
@@ -188,6 +196,15 @@ class Attack:
             return {}
         if self.name == "prototype_poisoning":
             return {c: dataclasses.replace(replies[c], payload=_flip_tables(replies[c].payload)) for c in mine}
+        if self.name == "encoder_collapse":  # p = m + scale (X - m): model replacement towards X, m's matrices zeroed
+            scale = self.params.scale if self.params.scale is not None else len(replies) / self.server_lr
+            out = {}
+            for c in mine:
+                payload, message = replies[c].payload, message_of[c]
+                bases = [p - u for p, u in zip(float_leaves(payload), updates(payload, message))]
+                crafted = map_update(payload, message, lambda k, u: -scale * bases[k] if bases[k].dim() >= 2 else torch.zeros_like(u))
+                out[c] = dataclasses.replace(replies[c], payload=crafted)
+            return out
         if self.name in DATA_ATTACKS:  # trained on poisoned data; scaled where asked
             scale = self.params.scale if self.params.scale is not None else 1.0 if self.name == "backdoor" else len(replies) / self.server_lr
             if self.name == "label_flipping" or scale == 1.0:
