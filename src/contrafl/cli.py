@@ -18,7 +18,9 @@ import os
 import sys
 import textwrap
 import traceback
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from . import __version__
 from . import params as P
@@ -353,6 +355,8 @@ def cmd_deploy(ns: argparse.Namespace) -> int:
             raise ConfigError("contrafl deploy --resume RUN_DIR takes no config, KEY=VALUE, --out or --prepare-only: the run keeps its own config.yaml")
         if ns.node_data:
             raise ConfigError("--resume takes no --node-data: the run keeps the --node-data paths it was started with")
+        if ns.byzantine_nodes:
+            raise ConfigError("--resume takes no --byzantine-nodes: the run keeps the Byzantine SuperNodes it was started with")
         path = Path(ns.resume)
         if not (path / "config.yaml").is_file():
             raise ConfigError(f"--resume {path}: no config.yaml there; give the directory of a run started with contrafl deploy")
@@ -367,29 +371,37 @@ def cmd_deploy(ns: argparse.Namespace) -> int:
         config_path, overrides = _split_run_args(ns.args)
         if ns.node_data and not any(o.startswith("node_data=") for o in overrides):
             overrides = [*overrides, "node_data=own"]
-        cfg = load_config(config_path, overrides)
+        cfg = attacking = load_config(config_path, overrides)
         path = check_output(Path(ns.out) if ns.out else default_run_dir(cfg.algorithm.name, cfg.dataset.name), "--out")
         tls, auth = deploy_security(ns)
         secure = bool(ns.secure_aggregation)
+        attackers: tuple[int, ...] = ()
+        node_attack: dict[str, Any] = {}
+        if ns.byzantine_nodes:  # the attack goes to the attackers' SuperNodes, not to the server's config
+            from .flower.byzantine import split
+
+            cfg, node_attack, attackers = split(dataclasses.replace(cfg, num_clients=resolved_clients(cfg)))
         settings = Settings(
             tls=tls, auth=auth, secure_aggregation=secure, min_replies=min(3, resolved_clients(cfg)) if secure else 1,
             wait_nodes=Settings.wait_nodes if ns.prepare_only else LOCAL_WAIT_NODES_S, node_data=tuple(ns.node_data or ()),
+            attackers=attackers, node_attack=node_attack,
         ).overridden(path, given, weaker_allowed=False)
     check_settings(cfg, settings.round_timeout, settings.min_replies, settings.secure_aggregation, settings.max_weight)
     if ns.prepare_only:
         check_hosts(ns.server_host or (), settings.tls)
         check_node_data(cfg, settings.node_data, required=False)
-        cfg = prepare_run(cfg, path)
+        cfg = prepare_run(attacking, path, byzantine_nodes=bool(settings.attackers))
         print(commands(path, cfg, settings.round_timeout, settings.min_replies, settings.wait_nodes, server_hosts=ns.server_host or (), tls=settings.tls,
                        auth=settings.auth, secure_aggregation=settings.secure_aggregation, node_data=settings.node_data,
-                       max_weight=settings.max_weight))
+                       max_weight=settings.max_weight, attackers=settings.attackers, node_attack=settings.node_attack))
         return 0
     check_node_data(cfg, settings.node_data, required=True)
     if not ns.resume:
-        cfg = prepare_run(cfg, path)
+        cfg = prepare_run(attacking, path, byzantine_nodes=bool(settings.attackers))
     security = " (TLS, SuperNode authentication)" if settings.auth else " (TLS)" if settings.tls else ""
     print(f"contrafl {__version__}: {cfg.algorithm.name} on a local Flower deployment of {cfg.num_clients} SuperNodes"
-          f"{security}{', secure aggregation' if settings.secure_aggregation else ''}; "
+          f"{security}{', secure aggregation' if settings.secure_aggregation else ''}"
+          f"{byzantine_text(settings.attackers, settings.node_attack)}; "
           f"run directory: {path}, Flower logs: {path / 'flower' / 'logs'}")
     deploy(cfg, path, settings, prepared=True, echo=sys.stdout)
     summary = read_summary(path)
@@ -397,6 +409,13 @@ def cmd_deploy(ns: argparse.Namespace) -> int:
         history = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines() if line.strip()]
         print(format_summary(summary, history))
     return 0
+
+
+def byzantine_text(attackers: Sequence[int], node_attack: Mapping[str, Any]) -> str:
+    """What ``contrafl deploy``'s first line says of its Byzantine SuperNodes (nothing without)."""
+    if not attackers:
+        return ""
+    return f", Byzantine SuperNode{'s' if len(attackers) > 1 else ''} of client{'s' if len(attackers) > 1 else ''} {', '.join(map(str, attackers))} ({node_attack['attack']})"
 
 
 def _switch(parser: argparse.ArgumentParser, on: str, off: str, dest: str, on_help: str, off_help: str) -> None:
@@ -812,6 +831,11 @@ def build_parser() -> argparse.ArgumentParser:
     dep.add_argument("--node-data", action="append", metavar="PATH",
                      help="a client's own data (repeat once per client, in client order; sets node_data=own): each SuperNode "
                           "holds only its own, the server none (docs/flower.md, \"Three sites, three folders\")")
+    dep.add_argument("--byzantine-nodes", action="store_true",
+                     help="the config's attackers (attack=NAME with attack.clients=[K,...] or attack.fraction) are SuperNodes that "
+                          "attack on their own, non-omniscient (attack.omniscient=false where the attack reads it): their node configs get "
+                          "attack='NAME' and attack-OPTION keys, the server's config.yaml attack=none, and its aggregator meets their "
+                          "replies as any others; `contrafl run` of the same config simulates it (docs/flower.md, \"Byzantine SuperNodes\")")
     dep.add_argument("--resume", metavar="RUN_DIR",
                      help="continue a deployed run from its last checkpoint (after its server or the machine stopped), with the "
                           "settings it was deployed with (flower/deployment.json): TLS, authentication, secure aggregation, "

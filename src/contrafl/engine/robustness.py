@@ -168,9 +168,12 @@ class RobustAggregation:
         return None if component.name == "mean" else cls(component)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
+        """Centered clipping's previous aggregate of each vector it clips (``updates``,
+        ``table{j}/label{c}``), for the checkpoint."""
         return dict(self.centers)
 
     def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Continue from :meth:`state_dict`'s ``state`` (a resumed run)."""
         self.centers = dict(state)
 
     def rule(self, updates: torch.Tensor, weights: torch.Tensor | None, key: str) -> tuple[robust.Robust, int | None]:

@@ -21,6 +21,10 @@ and the client keeps, besides the state it has just made, its newest state of a 
 up to ``C``; states of rounds after the current one belong to a run the server
 abandoned and are removed.
 
+A Byzantine SuperNode (node config ``attack``, :mod:`contrafl.flower.byzantine`) trains
+on its data poisoned as the simulator poisons an attacker's (data attacks) and crafts
+its reply from its own update (:meth:`FlowerClient.crafted`) before it is checked and sent.
+
 (The methods take the engine's round index ``t``, counted from 0: round ``T = t + 1``.)
 """
 
@@ -39,13 +43,15 @@ import torch
 from ..algorithms.base import Reply
 from ..config import load_config
 from ..data.partition import Partition
+from ..engine.attacking import Attack
 from ..engine.checkpoint import load_safe, save_atomic
 from ..engine.setup import own_rows, prepare, prepare_node
 from ..engine.simulation import worker_clients
 from ..execution.outcomes import Scores, as_floats
 from ..execution.validate import check_reply
-from ..errors import ContraflError
+from ..errors import ConfigError, ContraflError
 from ..files import write_atomic
+from .byzantine import node_attack, node_spelling
 from .codec import decode, encode
 from .node import REPRODUCIBLE_WARNING, NodeSettings, client_state_dir, reproducible_noise
 from flwr.app import MessageType, RecordDict
@@ -64,6 +70,7 @@ class FlowerClient:
 
     def __init__(
         self, run_dir: Path, cid: int, state_dir: Path | None = None, data_dir: Path | None = None, data: Path | None = None,
+        attack: tuple[str, dict[str, Any]] | None = None,
     ) -> None:
         self.run_dir = Path(run_dir)
         overrides = ["executor=sequential"] + ([f"data_dir={data_dir}"] if data_dir is not None else [])
@@ -73,15 +80,24 @@ class FlowerClient:
         self.cid = cid
         if reproducible_noise(cfg):
             print(f"contrafl: warning: client {cid}: {REPRODUCIBLE_WARNING}", file=sys.stderr, flush=True)
-        if cfg.node_data == "own":
-            if data is None:
-                raise ContraflError("this run's clients hold their own data (node_data=own); set the SuperNode's --node-config data='PATH'")
-            try:
-                setup = prepare_node(cfg, data, cid)
-            except ContraflError as exc:
-                raise ContraflError(f"client {cid}'s data do not fit the federation: {exc}") from None
-        else:
-            setup = own_rows(prepare(cfg, Partition.load(self.run_dir / "partition.json")), cid)
+        if attack is not None:  # a Byzantine SuperNode: its client the one attacker (its data poisoned by prepare)
+            cfg = node_attack(cfg, cid, *attack)
+        try:
+            if cfg.node_data == "own":
+                if data is None:
+                    raise ContraflError("this run's clients hold their own data (node_data=own); set the SuperNode's --node-config data='PATH'")
+                try:
+                    setup = prepare_node(cfg, data, cid)
+                except ContraflError as exc:
+                    raise ContraflError(f"client {cid}'s data do not fit the federation: {exc}") from None
+            else:
+                setup = own_rows(prepare(cfg, Partition.load(self.run_dir / "partition.json")), cid)
+        except ConfigError as exc:  # the attack does not suit the algorithm or the data
+            if attack is None or "attack" not in str(exc):
+                raise
+            raise ConfigError(f"node config attack='{attack[0]}': {node_spelling(str(exc))}") from None
+        self.attack = Attack.of(setup.config)
+        """The attack this SuperNode makes (node config ``attack``), or None."""
         self.sim = worker_clients(setup)
         self.state_dir = client_state_dir(self.run_dir, cid, state_dir)
         self.check_data(setup.data.train.x, setup.data.train.y)
@@ -122,7 +138,8 @@ class FlowerClient:
         if settings.threads is not None:
             torch.set_num_threads(settings.threads)
         optional = (Path(p) if p is not None else None for p in (settings.state_dir, settings.data_dir, settings.data))
-        return cls(Path(settings.run_dir), settings.partition_id, *optional)
+        attack = (settings.attack, settings.attack_options) if settings.attack is not None else None
+        return cls(Path(settings.run_dir), settings.partition_id, *optional, attack=attack)
 
     def answer(self, kind: str, content: RecordDict) -> RecordDict:
         """The reply content to a ``train`` or ``evaluate`` message's ``content`` (checked
@@ -201,9 +218,18 @@ class FlowerClient:
         timing = {"time": outcome.time, "straggler": outcome.straggler}
         if outcome.reply is None:  # a straggler dropped at the round's deadline
             return {"lost": outcome.lost, **timing}
-        reply = outcome.reply
+        reply = self.crafted(t, message, outcome.reply)
         loss, parts = as_floats((outcome.loss, outcome.parts))
         return {"payload": reply.payload, "num_samples": reply.num_samples, "loss": loss, "steps": outcome.steps, "parts": parts, **timing}
+
+    def crafted(self, t: int, message: dict[str, Any], reply: Reply) -> Reply:
+        """``reply`` to ``message`` in round ``t + 1`` as this SuperNode's attack crafts it
+        (node config ``attack``; :mod:`contrafl.flower.byzantine`): from its own reply alone,
+        as the simulator's non-omniscient attacker does; ``reply`` itself when the node is
+        honest or the attack leaves this round's reply as it is."""
+        if self.attack is None:
+            return reply
+        return self.attack.craft(t, {self.cid: reply}, [self.cid], {self.cid: message}).get(self.cid, reply)
 
     def evaluate_model(self, t: int, state: dict[str, torch.Tensor]) -> Scores:
         """The global model ``state`` before round ``t + 1`` on the client's test data

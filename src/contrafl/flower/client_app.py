@@ -84,7 +84,7 @@ def query(msg: Message, context: Context) -> Message:
         own = settings.check()
         if settings.worker:
             worker.request(settings, msg.metadata.message_type, RecordDict())
-        elif own:  # without a worker, the node's own data are still checked before they are used
+        elif own or settings.attack is not None:  # without a worker, the node's own data and attack are still checked before they are used
             from .client import FlowerClient
 
             FlowerClient.of(settings)

@@ -15,7 +15,7 @@ import datetime as dt
 import json
 import re
 import shlex
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -24,7 +24,7 @@ from typing import Any, TextIO
 import torch
 
 from .. import params as P
-from ..config import Config
+from ..config import Component, Config
 from ..cores import cores_each, cpu_cores
 from ..engine.run_dir import RunDir, read_summary
 from ..engine.sampling import clients_per_round
@@ -34,21 +34,26 @@ from ..files import write_atomic
 from .launch import DeploymentDied, FlowerLaunchError, LocalDeployment, RunResult, toml_document, toml_string
 from .supernode import POLL_S
 from .auth import make_node_keys
+from .byzantine import node_config_text
 from .tls import alt_name, make_certificates
 
 APP_DIR = Path(str(resources.files("contrafl.flower") / "app"))
 """contrafl's Flower app directory (the argument of ``flwr run``)."""
 
 
-def prepare_run(cfg: Config, path: Path) -> Config:
+def prepare_run(cfg: Config, path: Path, byzantine_nodes: bool = False) -> Config:
     """Write the run directory ``path`` (new or empty) of ``cfg``: the resolved config and
-    the partition. Returns the resolved config."""
+    the partition. Returns the resolved config. ``byzantine_nodes``: ``cfg``'s attack is
+    made by the attackers' own SuperNodes (:mod:`contrafl.flower.byzantine`): it is checked
+    here against the algorithm and the data, and left out of ``config.yaml``, the server's
+    (``attack=none``), which is returned."""
     setup = prepare(cfg)
+    resolved = dataclasses.replace(setup.config, attack=Component("none")) if byzantine_nodes else setup.config
     run_dir = RunDir(path)
-    run_dir.write_config(setup.config)
+    run_dir.write_config(resolved)
     run_dir.write_text("partition.json", json.dumps(setup.partition.to_json()))
     run_dir.close()
-    return setup.config
+    return resolved
 
 
 def run_config(
@@ -152,8 +157,9 @@ class Settings:
     """The settings of a run's deployment, recorded when it starts
     (``flower/deployment.json``) and kept by ``contrafl deploy --resume``: its security
     (TLS, SuperNode authentication, secure aggregation and its public ``max_weight``),
-    each SuperNode's own data (``node_data=own``, this machine's paths) and its
-    timeouts. DP is the run's config."""
+    each SuperNode's own data (``node_data=own``, this machine's paths), its Byzantine
+    SuperNodes and their attack (``--byzantine-nodes``: not in the server's config) and
+    its timeouts. DP is the run's config."""
 
     tls: bool = False
     auth: bool = False
@@ -164,6 +170,10 @@ class Settings:
     wait_nodes: float = 120.0
     supernode_poll: float = POLL_S
     node_data: tuple[str, ...] = ()
+    attackers: tuple[int, ...] = ()
+    """The clients whose SuperNodes attack (``--byzantine-nodes``)."""
+    node_attack: dict[str, str | int | float | bool] = dataclasses.field(default_factory=dict)
+    """The node config keys of their attack (:func:`contrafl.flower.byzantine.split`)."""
 
     SECURITY = {"tls": ("TLS", "--insecure"), "auth": ("SuperNode authentication", "--no-auth"),
                 "secure_aggregation": ("secure aggregation", "--no-secure-aggregation")}
@@ -173,7 +183,7 @@ class Settings:
         """Record the settings in the run directory ``path``."""
         folder = Path(path) / "flower"
         folder.mkdir(parents=True, exist_ok=True)
-        text = json.dumps({**dataclasses.asdict(self), "node_data": list(self.node_data)}, indent=2).encode()
+        text = json.dumps({**dataclasses.asdict(self), "node_data": list(self.node_data), "attackers": list(self.attackers)}, indent=2).encode()
         write_atomic(folder / SETTINGS, lambda f: f.write(text))
 
     @classmethod
@@ -193,6 +203,9 @@ class Settings:
             if not isinstance(data, dict) or set(data) - set(fields):
                 raise ValueError(f"keys other than {', '.join(fields)}")
             data["node_data"] = tuple(_paths(file, data.get("node_data", [])))
+            data["attackers"] = tuple(data.get("attackers", []))
+            if not all(isinstance(c, int) and not isinstance(c, bool) for c in data["attackers"]) or not isinstance(data.get("node_attack", {}), dict):
+                raise ValueError("attackers are not client ids, or node_attack is not node config keys")
             settings = cls(**data)
             for name in ("tls", "auth", "secure_aggregation"):
                 if not isinstance(getattr(settings, name), bool):
@@ -240,7 +253,9 @@ def deploy(
     and ``auth``: :class:`~contrafl.flower.launch.LocalDeployment`'s;
     ``secure_aggregation``: the training rounds run through SecAgg+
     (:mod:`contrafl.flower.secagg`); ``node_data``: with ``node_data=own``, each client's
-    own data, in client order (node config ``data``).
+    own data, in client order (node config ``data``); ``attackers``: the clients whose
+    SuperNodes make the attack of the node config keys ``node_attack``
+    (:mod:`contrafl.flower.byzantine`; ``cfg`` is then the server's, ``attack=none``).
 
     Processes that an earlier deployment of ``path`` left running (it was killed) are
     ended first, with a line on ``echo``. When the deployment ends before the run does,
@@ -255,6 +270,8 @@ def deploy(
     resolved = [str(Path(where).expanduser().resolve()) for where in settings.node_data]
     for config, where in zip(node_configs, resolved):
         config["data"] = where
+    for cid in settings.attackers:
+        node_configs[cid].update(settings.node_attack)
     settings = dataclasses.replace(settings, node_data=tuple(resolved))
     settings.write(path)
     deployment = LocalDeployment(
@@ -344,7 +361,8 @@ SUPEREXEC_HOST = "127.0.0.1"
 def commands(
     path: Path, cfg: Config, round_timeout: float = 600.0, min_replies: int = 1, wait_nodes: float = 120.0, *,
     server_hosts: Sequence[str] = (), tls: bool = False, auth: bool = False, secure_aggregation: bool = False,
-    node_data: Sequence[str] = (), max_weight: int | None = None,
+    node_data: Sequence[str] = (), max_weight: int | None = None, attackers: Sequence[int] = (),
+    node_attack: Mapping[str, str | int | float | bool] | None = None,
 ) -> str:
     """How to run the prepared run directory ``path`` of the resolved config ``cfg`` on a
     Flower deployment of one's own (SuperLink and SuperNodes on any machines): the
@@ -360,7 +378,9 @@ def commands(
     its private key. ``node_data`` (``node_data=own``): each client's own data on its
     machine, in client order (default: ``DATA_K``), named in its command; such a client's
     machine needs only ``config.yaml`` of the run directory. ``max_weight``: the public
-    bound on a client's sample count of secure aggregation with ``node_data=own``."""
+    bound on a client's sample count of secure aggregation with ``node_data=own``.
+    ``attackers``: the clients whose SuperNodes add the attack's node config keys
+    ``node_attack`` to theirs (``--byzantine-nodes``)."""
     if auth and not tls:
         raise ConfigError("SuperNode authentication needs TLS (flwr 1.41 refuses --enable-supernode-auth with --insecure); drop --insecure, or add --no-auth")
     check_settings(cfg, round_timeout, min_replies, secure_aggregation, max_weight)
@@ -428,7 +448,18 @@ def commands(
         + ", a FLWR_HOME of its own (NODE_HOME) and, for SuperNodes sharing a machine, a --port each:",
         supernode,
         f"     (threads={threads}: each client's torch threads in `contrafl run` of this config on this machine, executor={cfg.executor}; its metrics bit for bit need the same)",
+        *byzantine_line(attackers, node_attack or {}),
         f"  {step + 1}. once every SuperNode is up, from a machine whose $FLWR_HOME/config.toml names the SuperLink as CONNECTION (address = \"{address}\", {cli_security}):",
         f"    flwr run {shlex.quote(str(APP_DIR))} CONNECTION --stream --run-config {shlex.quote(str(rc))}",
         "(docs/flower.md: several machines, TLS, SuperNode authentication, faults and restarts)",
     ])
+
+
+def byzantine_line(attackers: Sequence[int], node_attack: Mapping[str, str | int | float | bool]) -> list[str]:
+    """The line of :func:`commands` that makes ``attackers``' SuperNodes Byzantine (none without)."""
+    if not attackers:
+        return []
+    ids = ", ".join(map(str, attackers))
+    which = f"SuperNodes of clients {ids} add" if len(attackers) > 1 else f"SuperNode of client {ids} adds"
+    return [f"     (Byzantine SuperNodes: the {which} {node_config_text(node_attack)} to its --node-config; "
+            "the server's config.yaml says attack=none, docs/flower.md \"Byzantine SuperNodes\")"]

@@ -16,13 +16,18 @@ Node config keys, for SuperNodes on other machines than the server:
   machine share its cores); default: torch's (all cores);
 * ``worker``: ``true`` (default) serves the messages in a worker process that stays
   alive between them (:mod:`contrafl.flower.worker`), ``false`` in the ClientApp process
-  of each message, as Flower runs ClientApps.
+  of each message, as Flower runs ClientApps;
+* ``attack``: the attack this SuperNode makes as a Byzantine client (``attack='scaling'``,
+  a name of ``contrafl list attacks``), with its options as ``attack-OPTION`` keys
+  (``attack-scale=5``, ``attack-rounds='[2,3]'``): the node poisons its own data (data
+  attacks) and crafts its own reply from its update alone (:mod:`contrafl.flower.byzantine`);
+  the server's config knows nothing of it.
 """
 
 from __future__ import annotations
 
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +67,53 @@ def flag(node_config: dict[str, Any], key: str, default: bool) -> bool:
     raise ConfigError(f"node config {key}={value!r} is not true or false; restart the SuperNode with --node-config \"{key}=true\" or \"{key}=false\"")
 
 
+ATTACK = "attack"
+"""The node config key of a Byzantine SuperNode's attack; its options are ``attack-OPTION``."""
+CHOSEN_BY_SERVER = ("clients", "fraction", "choice")
+"""Attack options that choose the attackers: a SuperNode attacks as its own client, alone."""
+
+
+def attack_settings(node_config: dict[str, Any]) -> tuple[str | None, dict[str, Any]]:
+    """The attack of a node config (``attack``, None when it has none or ``'none'``) and its
+    options (``attack-OPTION`` keys, by option name, lists as text); :class:`ConfigError`
+    for an option without an attack, one that chooses the attackers, ``attack-omniscient=true``
+    or a dotted ``attack.OPTION`` key. The attack's name and the options' values are checked
+    where the client is loaded (:func:`contrafl.flower.byzantine.node_attack`)."""
+    dotted = sorted(k for k in node_config if str(k).startswith(ATTACK + "."))
+    if dotted:
+        raise ConfigError(
+            f"node config key {dotted[0]!r} is not read: a SuperNode's attack options are written attack-OPTION, "
+            f"e.g. --node-config \"attack='scaling' {dotted[0].replace('.', '-', 1)}=5\""
+        )
+    options = {str(k)[len(ATTACK) + 1:].replace("-", "_"): v for k, v in node_config.items() if str(k).startswith(ATTACK + "-")}
+    options = {k: str(v).replace(" ", "") if isinstance(v, list) else v for k, v in options.items()}
+    name = node_config.get(ATTACK)
+    if name is not None and (not isinstance(name, str) or not name.strip()):
+        raise ConfigError(f"node config attack={name!r} is not an attack's name; restart the SuperNode with --node-config \"attack='NAME' ...\" (`contrafl list attacks`)")
+    if name is not None and name.strip().lower() == "none":
+        name = None
+    first = next(iter(options), None)
+    if name is None and first is not None:
+        raise ConfigError(
+            f"node config attack-{first.replace('_', '-')}={options[first]!r} sets an option of no attack; "
+            "add attack='NAME' (docs/flower.md, \"Byzantine SuperNodes\") or remove it"
+        )
+    chooser = next((k for k in CHOSEN_BY_SERVER if k in options), None)
+    if chooser is not None:
+        raise ConfigError(
+            f"node config attack-{chooser}={options[chooser]!r}: a Byzantine SuperNode attacks as the client it serves "
+            f"(partition-id), and it alone; remove attack-{chooser}"
+        )
+    if "omniscient" in options:
+        if flag(node_config, "attack-omniscient", False):
+            raise ConfigError(
+                "node config attack-omniscient=true: a SuperNode sees only its own update, not the round's honest ones; "
+                "remove attack-omniscient (omniscient attackers are simulated by the server: attack=NAME in the run's config)"
+            )
+        del options["omniscient"]
+    return name, options
+
+
 @dataclass(frozen=True)
 class NodeSettings:
     """What a SuperNode's node config (and the run config) say about its client."""
@@ -76,6 +128,10 @@ class NodeSettings:
     worker: bool = True
     data: str | None = None
     """The node's own data (``node_data=own``)."""
+    attack: str | None = None
+    """The attack this SuperNode makes (node config ``attack``), or None: an honest client."""
+    attack_options: dict[str, Any] = field(default_factory=dict)
+    """Its options (node config ``attack-OPTION``), by option name."""
 
     @classmethod
     def of(cls, context: Context) -> NodeSettings:
@@ -97,8 +153,10 @@ class NodeSettings:
         else:
             run_dir = str(context.run_config["run-dir"])
             setting = f"run-dir='{run_dir}' (the server's; the node config sets no run-dir)"
+        attack, options = attack_settings(node)
         return cls(
             cid, run_dir, setting, path("state-dir"), path("data-dir"), threads, flag(node, "worker", True), path("data"),
+            attack, options,
         )
 
     def check(self) -> bool:
@@ -115,6 +173,11 @@ class NodeSettings:
                 "restart the SuperNode with --node-config run-dir set to their folder"
             )
         cfg = load_config(run_dir / "config.yaml")
+        if self.attack is not None and cfg.attack.name != "none":
+            raise ConfigError(
+                f"node config attack='{self.attack}', and the run's config.yaml has attack={cfg.attack.name}, whose attackers the server "
+                "simulates; run the server with attack=none (contrafl deploy --byzantine-nodes does) or remove the node config's attack"
+            )
         own = cfg.node_data == "own"
         restart = "restart the SuperNode with --node-config \"partition-id=K data='PATH' ...\""
         if own and self.data is None:
