@@ -16,7 +16,7 @@ from contrafl.experiments.suite import Suite, _combine, _slug, format_table, loa
 EXPERIMENTS = Path(__file__).resolve().parents[1] / "experiments"
 
 
-SUITES = sorted(p for p in EXPERIMENTS.rglob("*.yaml") if p.parent.name != "sweeps")
+SUITES = sorted(p for p in EXPERIMENTS.rglob("*.yaml") if p.parent.name not in ("sweeps", "robust"))  # sweep files
 
 
 @pytest.mark.parametrize("path", SUITES, ids=lambda p: str(p.relative_to(EXPERIMENTS)))

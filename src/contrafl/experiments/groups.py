@@ -11,7 +11,7 @@ from typing import Any
 
 from ..config import fingerprint
 from .spec import SUITE_RECORD, SWEEP_RECORD, Suite, Sweep, run_path, split_method
-from .report import METRICS, Metric, algorithm_label, configuration_labels, count_states, find_runs, read_run, run_metric
+from .report import ATTACK_METRICS, METRICS, Metric, algorithm_label, configuration_labels, count_states, find_runs, read_run, run_metric
 
 PROBE_FILES = ("knn", "linear", "finetune-1%", "finetune-10%", "finetune")
 """Files of a run's ``representation/`` (``contrafl eval-repr``, a suite's probes) whose
@@ -87,8 +87,9 @@ class Group:
 
     @property
     def families(self) -> list[Metric]:
-        """Every metric family its completed runs evaluated, in :data:`METRICS` order."""
-        return [m for m in METRICS if any(r.evaluated(m.key) for r in self.completed)]
+        """Every metric family its completed runs evaluated, in :data:`METRICS` order,
+        then those of :data:`ATTACK_METRICS`."""
+        return [m for m in (*METRICS, *ATTACK_METRICS) if any(r.evaluated(m.key) for r in self.completed)]
 
     @property
     def states(self) -> str:

@@ -13,12 +13,17 @@ caption; legends and labels are wrapped to their figure's width. The page has:
   the final and best round with the std over clients), self-supervised encoders (kNN
   accuracy and the probes run with ``contrafl eval-repr``), the paper's number beside
   ours with the difference where a suite gives it, and the state of every run;
-- accuracy per round, the mean over seeds with a ± std band, a figure per family;
+- with attackers or robust aggregators: the backdoor's success rate (a family of its
+  own, lower is better for the defender) and the aggregators' precision and recall in
+  finding the attackers (intervals over seeds);
+- accuracy per round, the mean over seeds with a ± std band, a figure per family (an
+  attack's success per round in figures of its own);
 - the accuracy of every client (box and points) and the fairness summary: std over
   clients, the mean of the worst 10 %, min and max;
 - the partition heatmaps, one per seed, and the t-SNE figures of ``contrafl plot-repr``;
-- the list of runs (failed and stopped runs with their errors) and the command that
-  regenerates the page.
+- the list of runs (failed and stopped runs with their errors; the aggregator, attack,
+  precision, recall and final backdoor success of each when some run had attackers or
+  a robust aggregator) and the command that regenerates the page.
 """
 
 from __future__ import annotations
@@ -39,9 +44,9 @@ import numpy as np
 from .. import __version__
 from ..errors import ContraflError
 from ..metrics.history import mean_std
-from .comparison import FAMILIES, bests, family_tables, finals
+from .comparison import FAMILIES, bests, detection_table, family_tables, finals
 from .groups import Group, Run, group_runs, suite_baseline
-from .report import Metric, partition_label, worst_fraction
+from .report import Metric, partition_label, robustness, robustness_cells, robustness_header, worst_fraction
 
 PARTITION_LIMIT = 8
 """Partition heatmaps drawn on a page (the others are named under them)."""
@@ -68,7 +73,8 @@ def results_tables(groups: Sequence[Group], baseline: str | None = None) -> list
     """(title, rows with a header row) of each metric family present
     (:func:`~contrafl.experiments.comparison.family_tables`, the paired differences against
     ``baseline``), with the paper's number beside ours in the family a group is judged
-    by, and the state of every group's runs."""
+    by, and the state of every group's runs; then the attackers the aggregators found
+    (:func:`~contrafl.experiments.comparison.detection_table`), if any run had some."""
     tables = []
     with_paper = any(g.paper is not None for g in groups)
     by_label = {g.label: g for g in groups}
@@ -83,6 +89,9 @@ def results_tables(groups: Sequence[Group], baseline: str | None = None) -> list
                 paper = _paper_cells(g, mean_std(list(ours.values()))[0]) if g.metric == table.metric else ["", ""]
             rows.append(row + paper + [g.states])
         tables.append((table.title, rows))
+    detection = detection_table(groups)
+    if detection is not None:
+        tables.append((detection.title, detection.rows))
     idle = [g for g in groups if not g.families]
     if idle:
         tables.append(("Without a completed, evaluated run", [["configuration", "runs"]] + [[g.label, g.states] for g in idle]))
@@ -344,12 +353,8 @@ def render(paths: Sequence[Path], command: str, title: str | None = None, baseli
     for caption, rows in results_tables(groups, baseline or suite_baseline(paths)):
         parts += [f'<p class="caption">{html.escape(caption)}</p>', _table(rows)]
     families = [m for m in FAMILIES if any(m in g.families for g in groups)]
-    curves = [(m, curves_figure(groups, m)) for m in families]
-    if any(png for _, png in curves):
-        parts.append("<h2>Accuracy per round</h2>")
-        for metric, png in curves:
-            if png:
-                parts += [f'<p class="caption">{html.escape(metric.label)}: mean over seeds, band ± std</p>', _image(png, f"{metric.label} per round")]
+    for heading, lower in (("Accuracy per round", False), ("Attack success per round", True)):
+        parts += _curves_section(heading, groups, [m for m in families if m.lower_is_better == lower])
     fairness = fairness_rows(groups)
     if len(fairness) > 1:
         parts += [
@@ -383,8 +388,28 @@ def render(paths: Sequence[Path], command: str, title: str | None = None, baseli
     return "\n".join(parts) + "\n"
 
 
+def _curves_section(heading: str, groups: Sequence[Group], families: Sequence[Metric]) -> list[str]:
+    """The parts of a page's section of per-round figures, one per family of
+    ``families`` that has one (none: no section), each on its own axis."""
+    curves = [(m, png) for m in families if (png := curves_figure(groups, m))]
+    if not curves:
+        return []
+    parts = [f"<h2>{html.escape(heading)}</h2>"]
+    for metric, png in curves:
+        better = " (lower is better for the defender)" if metric.lower_is_better else ""
+        parts += [f'<p class="caption">{html.escape(metric.label)}: mean over seeds, band ± std{better}</p>',
+                  _image(png, f"{metric.label} per round")]
+    return parts
+
+
 def _run_rows(groups: Sequence[Group]) -> list[list[str]]:
-    rows = [["run", "configuration", "status", "rounds", "metric", "final (%)", "seconds", "executor"]]
+    """A row per run: its state, rounds, metric and final value (%), seconds and
+    executor, with its aggregator, attack, precision, recall and final backdoor success
+    (:func:`~contrafl.experiments.report.robustness_cells`, in %) when some run had
+    attackers or a robust aggregator."""
+    attacked = any(robustness(run.config, run.rows) is not None for g in groups for run in g.runs)
+    robust = robustness_header(" (%)") if attacked else []
+    rows = [["run", "configuration", "status", "rounds", "metric", "final (%)", *robust, "seconds", "executor"]]
     for g in groups:
         for run in g.runs:
             metric = run.metric
@@ -397,6 +422,7 @@ def _run_rows(groups: Sequence[Group]) -> list[list[str]]:
                 f"{run.rows[-1]['round'] if run.rows else 0}/{run.config.get('rounds', '?')}",
                 metric.label if metric else "-",
                 "-" if final is None else f"{100 * final:.2f}",
+                *(robustness_cells(robustness(run.config, run.rows), scale=100, digits=2) if attacked else []),
                 "-" if wall is None else f"{wall:.0f}",
                 str(run.summary.get("executor", run.config.get("executor", "?"))),
             ])

@@ -251,7 +251,7 @@ def _final_line(suite: Suite, summary: Mapping[str, Any]) -> str:
     if suite.metric == "best":
         value = summary.get("best_personal_acc")
         return f"best client accuracy {'-' if value is None else f'{value:.4f}'}"
-    names = {"test_acc": "test accuracy", "personal_acc": "client accuracy", "knn_acc": "kNN accuracy"}
+    names = {"test_acc": "test accuracy", "personal_acc": "client accuracy", "knn_acc": "kNN accuracy", "backdoor_success": "backdoor success"}
     keys = ["knn_acc"] if suite.metric == "representation" else list(names)
     parts = [f"final {names[k]} {final[k]:.4f}" for k in keys if final.get(k) is not None]
     return ", ".join(parts) or "no evaluated accuracy"
@@ -452,11 +452,14 @@ def suite_report(out: Path) -> str:
 def statistics(groups: Sequence[Group], suite: Suite) -> str:
     """The tables of the metric families of ``groups`` (a suite directory's runs,
     :func:`~contrafl.experiments.groups.group_runs`), one per family, with bootstrap
-    intervals over seeds and paired differences to the suite's baseline
+    intervals over seeds and paired differences to the suite's baseline, then the
+    attackers found by the aggregators that choose clients
     (:mod:`contrafl.experiments.comparison`)."""
-    from .comparison import family_tables, markdown
+    from .comparison import detection_table, family_tables, markdown
 
-    return "\n\n".join(markdown(t) for t in family_tables(groups, suite.baseline_method()))
+    detection = detection_table(groups)
+    tables = [*family_tables(groups, suite.baseline_method()), *([detection] if detection else [])]
+    return "\n\n".join(markdown(t) for t in tables)
 
 
 def plot_families(groups: Sequence[Group], out: Path) -> list[Path]:

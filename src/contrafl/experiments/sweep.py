@@ -59,7 +59,7 @@ from ..errors import ConfigError
 from ..words import count
 from ..metrics.history import mean_std
 from .eta import RunTimes, calibrate_each, seconds_left
-from .report import METRICS, Metric, _format, count_states, pm, read_run, run_metric
+from .report import METRICS, Metric, _format, count_states, pm, read_run, robustness, run_metric
 from .groups import group_runs
 from .spec import SHARD_RECORD, SWEEP_RECORD, Suite, Sweep, _algorithm_name, _applies, _slug, _text, run_path
 from .suite import Cell, _inspect, _paths_from, resolved_configs, statistics
@@ -546,11 +546,18 @@ def _last_error(log: Path) -> str:
     return (errors or lines or ["no output"])[-1]
 
 
+ROBUSTNESS_KEYS = {"backdoor_success": "backdoor success (%)", "precision": "precision (%)", "recall": "recall (%)"}
+"""What a cell's runs with attackers or a robust aggregator measured
+(:class:`~contrafl.experiments.report.Robustness`), per seed in ``results.json``, and its
+column in the table."""
+
+
 def collect(sweep: Sweep, suite: Suite, out: Path, cells: Sequence[Cell]) -> dict[str, Any]:
     """Per cell: its settings, the completed runs with the current settings and, in
     their metric (:func:`~contrafl.experiments.report.run_metric`), the final value per seed
     with mean and std, the best value and round per seed, the client std at the final
-    round (personalised runs), and the state of its other runs."""
+    round (personalised runs), what robustness measured in runs with attackers or a
+    robust aggregator (:data:`ROBUSTNESS_KEYS`), and the state of its other runs."""
     from .suite import run_fingerprint
     from ..config import fingerprint
 
@@ -559,6 +566,7 @@ def collect(sweep: Sweep, suite: Suite, out: Path, cells: Sequence[Cell]) -> dic
     for name in suite.methods:
         entry: dict[str, Any] = {"settings": {k: v for k, v in names[name]}, "seeds": [], "status": {}}
         finals, bests, rounds, client_std, epsilons = [], [], [], [], []
+        measured: dict[str, list[float]] = {key: [] for key in ROBUSTNESS_KEYS}
         metric: Metric | None = None
         for cell in (c for c in cells if c.method == name):
             summary = read_summary(cell.path)
@@ -568,7 +576,7 @@ def collect(sweep: Sweep, suite: Suite, out: Path, cells: Sequence[Cell]) -> dic
             entry["status"][str(cell.seed)] = status
             if status != "completed":
                 continue
-            _, rows, _ = read_run(cell.path)
+            config, rows, _ = read_run(cell.path)
             metric = metric or run_metric(rows)
             evaluated = [r for r in rows if metric and r.get(metric.key) is not None]
             if not evaluated:
@@ -580,6 +588,11 @@ def collect(sweep: Sweep, suite: Suite, out: Path, cells: Sequence[Cell]) -> dic
             rounds.append(best["round"])
             if metric.std:
                 client_std.append(evaluated[-1][metric.std])
+            found = robustness(config, rows)
+            for key in ROBUSTNESS_KEYS:
+                value = None if found is None else getattr(found, key)
+                if value is not None:
+                    measured[key].append(value)
             spent = [r for r in rows if "dp_epsilon" in r]
             if spent:
                 epsilons.append(spent[-1]["dp_epsilon"])
@@ -594,6 +607,9 @@ def collect(sweep: Sweep, suite: Suite, out: Path, cells: Sequence[Cell]) -> dic
             entry["best_mean"], entry["best_std"] = mean_std(bests)
             if client_std:
                 entry["client_std_mean"] = mean_std(client_std)[0]
+        for key, values in measured.items():
+            if values:
+                entry[key], (entry[f"{key}_mean"], entry[f"{key}_std"]) = values, mean_std(values)
         per_cell[name] = entry
     return {"sweep": sweep.name, "axes": list(sweep.grid), "cells": per_cell}
 
@@ -602,12 +618,16 @@ def format_table(sweep: Sweep, results: Mapping[str, Any], markdown: bool = True
     """A row per cell: its value of every grid axis, the epsilon the runs spent (when a
     cell ran with ``dp``: the last round's, ``inf`` without noise, marked when the noise
     was ``dp.noise=reproducible``), the metric, final and
-    best value (mean ± std over seeds, in %), the client std of personalised runs and the
-    runs' states."""
+    best value (mean ± std over seeds, in %), the client std of personalised runs, the
+    columns of :data:`ROBUSTNESS_KEYS` some cell measured (mean ± std over seeds, in %:
+    the final backdoor success rate, lower is better for the defender; each run's mean
+    precision and recall over its rounds) and the runs' states."""
     axes = results["axes"]
     labels = {m.key: m.label for m in METRICS}
     private = any("epsilon" in e for e in results["cells"].values())
-    header = [*axes, *(["epsilon"] if private else []), "metric", "final (%)", "best (%)", "best rounds", "client std (%)", "seeds", "runs"]
+    measured = [k for k in ROBUSTNESS_KEYS if any(f"{k}_mean" in e for e in results["cells"].values())]
+    header = [*axes, *(["epsilon"] if private else []), "metric", "final (%)", "best (%)", "best rounds", "client std (%)",
+              *(ROBUSTNESS_KEYS[k] for k in measured), "seeds", "runs"]
     table = [header]
     for name, e in results["cells"].items():
         values = [_text(e["settings"][a]) if a in e["settings"] else "-" for a in axes]
@@ -615,6 +635,7 @@ def format_table(sweep: Sweep, results: Mapping[str, Any], markdown: bool = True
             spent = ", ".join(sorted({"inf" if x is None else f"{x:.3g}" for x in e.get("epsilon", [])})) or "-"
             values.append(f"{spent} (reproducible noise: protects nothing)" if e.get("reproducible_noise") else spent)
         states = count_states(e["status"].values())
+        robust = [pm(e[f"{k}_mean"], e[f"{k}_std"], len(e[k])) if f"{k}_mean" in e else "-" for k in measured]
         if "final_mean" in e:
             cells = [
                 labels.get(e["metric"], e["metric"]),
@@ -622,10 +643,11 @@ def format_table(sweep: Sweep, results: Mapping[str, Any], markdown: bool = True
                 pm(e["best_mean"], e["best_std"], len(e["best"])),
                 ", ".join(map(str, e["best_round"])),
                 f"{100 * e['client_std_mean']:.2f}" if "client_std_mean" in e else "",
+                *robust,
                 ", ".join(map(str, e["seeds"])),
             ]
         else:
-            cells = ["-", "-", "-", "", "", "-"]
+            cells = ["-", "-", "-", "", "", *robust, "-"]
         table.append([*values, *cells, states])
     return _format(table, markdown)
 
