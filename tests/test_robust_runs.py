@@ -243,7 +243,7 @@ def test_a_model_replacement_backdoor_succeeds_against_the_mean_and_fails_agains
         results[aggregator] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][-1]
     assert results["mean"]["backdoor_success"] > 0.9
     assert results["norm_bound"]["backdoor_success"] < 0.9 and results["norm_bound"]["test_acc"] > 0.9
-    assert results["norm_bound"]["aggregator"]["flagged"] == [0]
+    assert 0 in results["norm_bound"]["aggregator"]["flagged"]  # the attacker, in the round it strikes
 
 
 @pytest.mark.parametrize("settings, message", [
