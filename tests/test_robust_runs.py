@@ -264,20 +264,3 @@ def test_encoder_collapse_pulls_every_weight_matrix_to_zero_and_keeps_the_vector
     crafted = Attack(Component("encoder_collapse", {"clients": [0]}), 4, 0, 1.0).craft(0, replies, [0], {c: message for c in range(4)})[0]
     assert torch.equal(crafted.payload["model"]["w"], torch.full((3, 2), 1.0 - 4))  # m + n (0 - m), n = 4 replies
     assert torch.equal(crafted.payload["model"]["b"], torch.ones(3))  # the message's vectors
-
-
-@pytest.mark.slow
-def test_the_distributed_executor_gives_the_attacked_robust_run_of_the_sequential_one(tmp_path):
-    """The round loop crafts and aggregates whatever trained the clients: the flagged
-    clients are the same and the accuracies equal to float tolerance (the distributed
-    workers send single replies, not their sums)."""
-    executor = "distributed"
-    settings = [*RUN, "rounds=2", "aggregator=krum", "attack=alie"]
-    rows = {}
-    for name, extra in (("sequential", []), (executor, ["workers=2"])):
-        out = tmp_path / name
-        assert main(["run", "--quiet", "--out", str(out), *settings, f"executor={name}", *extra]) == 0
-        rows[name] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    for a, b in zip(rows["sequential"], rows[executor]):
-        assert a["attackers"] == b["attackers"] and a["aggregator"]["flagged"] == b["aggregator"]["flagged"]
-        assert a["test_acc"] == pytest.approx(b["test_acc"], abs=0.02)
