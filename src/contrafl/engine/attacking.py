@@ -67,7 +67,6 @@ ATTACKS = {
     "model_replacement": "the backdoor with the update scaled by n / server_lr to replace the global model (Bagdasaryan et al. 2020)",
 }
 NAMES = tuple(ATTACKS)
-OMNISCIENT = ("sign_flipping", "alie", "inner_product_manipulation", "min_max", "min_sum")
 DATA_ATTACKS = ("label_flipping", "backdoor", "model_replacement")
 """Attacks on the attackers' training data, which need labels and fixed attackers."""
 
