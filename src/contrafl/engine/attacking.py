@@ -48,7 +48,7 @@ from ..config import Component
 from ..data.base import ArrayDataset, FederatedDataset
 from ..data.partition import Partition
 from ..errors import ConfigError
-from ..execution.validate import float_leaves, is_label_table, map_update, updates
+from ..execution.validate import float_leaves, is_label_table, map_update, update_vector, updates, with_update
 from ..rng import generator
 
 ATTACKS = {
@@ -182,7 +182,8 @@ class Attack:
     def attackers(self, t: int, sampled: Sequence[int]) -> list[int]:
         """Round ``t``'s Byzantine clients among its ``sampled`` ones."""
         if self.fixed is not None:
-            return [c for c in sampled if c in set(self.fixed)]
+            fixed = set(self.fixed)
+            return [c for c in sampled if c in fixed]
         order = torch.randperm(len(sampled), generator=generator(self.seed, "attackers", t)).tolist()
         return sorted(sampled[i] for i in order[: round(self.params.fraction * len(sampled))])
 
@@ -211,9 +212,8 @@ class Attack:
             return {c: dataclasses.replace(replies[c], payload=map_update(replies[c].payload, message_of[c], lambda k, u: u * scale)) for c in mine}
         honest = [c for c in sorted(replies) if c not in set(mine)]
         seen = honest if self.params.omniscient and honest else mine
-        vectors = {c: updates(replies[c].payload, message_of[c]) for c in set(seen) | set(mine)}
-        like = vectors[mine[0]]
-        stacked = torch.stack([torch.cat([u.reshape(-1).double() for u in vectors[c]]) for c in seen])
+        vectors = {c: update_vector(replies[c].payload, message_of[c], torch.float64) for c in set(seen) | set(mine)}
+        stacked = torch.stack([vectors[c] for c in seen])
         out = {}
         shared = None if self.name == "gaussian" else self.vector(stacked, len(mine), len(replies))
         for c in mine:
@@ -221,14 +221,10 @@ class Attack:
                 x = attacks.gaussian(stacked, self.params.mu, self.params.sigma, generator(self.seed, "attack", t, c))
             elif self.name == "scaling":
                 scale = self.params.scale if self.params.scale is not None else len(replies) / self.server_lr
-                x = scale * torch.cat([u.reshape(-1).double() for u in vectors[c]])
+                x = scale * vectors[c]
             else:
                 x = shared
-            pieces, offset = [], 0
-            for u in like:
-                pieces.append(x[offset : offset + u.numel()].view(u.shape))
-                offset += u.numel()
-            out[c] = dataclasses.replace(replies[c], payload=map_update(replies[c].payload, message_of[c], lambda k, u: pieces[k].to(u)))
+            out[c] = dataclasses.replace(replies[c], payload=with_update(replies[c].payload, message_of[c], x))
         return out
 
     def vector(self, honest: torch.Tensor, f: int, n: int) -> torch.Tensor | None:

@@ -39,7 +39,7 @@ from ..algorithms import robust
 from ..algorithms.base import Reply
 from ..config import Component
 from ..errors import ConfigError
-from ..execution.validate import is_label_table, map_update, updates
+from ..execution.validate import is_label_table, update_vector, updates, with_update
 
 AGGREGATORS = {
     "mean": "the algorithm's own aggregation (FedAvg's sample-weighted mean; the default)",
@@ -222,16 +222,15 @@ class RobustAggregation:
         if not replies:
             return replies, {}
         bare, tables = zip(*(_without_tables(r.payload) for r in replies))
-        parts = [updates(b, message_of[r.cid]) for b, r in zip(bare, replies)]
+        first = updates(bare[0], message_of[replies[0].cid])
         report: dict[str, Any] = {}
         new_bare = list(bare)
-        if parts[0]:
-            dtype = torch.promote_types(*{u.dtype for u in parts[0]}, torch.float32)
-            stacked = torch.stack([torch.cat([u.reshape(-1).to(dtype) for u in us]) for us in parts])
+        if first:
+            dtype = torch.promote_types(*{u.dtype for u in first}, torch.float32)
+            stacked = torch.stack([update_vector(b, message_of[r.cid], dtype) for b, r in zip(bare, replies)])
             samples = torch.tensor([float(r.num_samples) for r in replies], dtype=dtype)
             out, f = self.rule(stacked, samples if bool(samples.sum() > 0) else None, "updates")
-            pieces = _pieces(out.aggregate, parts[0])
-            new_bare = [map_update(b, message_of[r.cid], lambda k, u: pieces[k].to(u)) for b, r in zip(bare, replies)]
+            new_bare = [with_update(b, message_of[r.cid], out.aggregate) for b, r in zip(bare, replies)]
             chosen = flagged(out, samples if self.params.weights == "samples" else None, [r.cid for r in replies])
             if chosen is not None:
                 report["flagged"] = chosen
@@ -292,14 +291,6 @@ def _median_norm(updates: torch.Tensor) -> float:
     norms = updates.double().norm(dim=1)
     median = float(norms.median())
     return median if median > 0 else float(norms.max()) or 1.0
-
-
-def _pieces(vector: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    out, offset = [], 0
-    for u in like:
-        out.append(vector[offset : offset + u.numel()].view(u.shape))
-        offset += u.numel()
-    return out
 
 
 TABLE = "<per-label table>"

@@ -228,6 +228,21 @@ def updates(payload: Any, message: Any) -> list[torch.Tensor]:
     return out
 
 
+def update_vector(payload: Any, message: Any, dtype: torch.dtype) -> torch.Tensor:
+    """The update's tensors (:func:`updates`) as one flat vector of ``dtype`` (empty when
+    the payload has no floating-point tensor)."""
+    parts = updates(payload, message)
+    return torch.cat([u.reshape(-1).to(dtype) for u in parts]) if parts else torch.zeros(0, dtype=dtype)
+
+
+def with_update(payload: Any, message: Any, vector: torch.Tensor) -> Any:
+    """``payload`` with its update replaced by ``vector`` (:func:`update_vector`'s layout):
+    every floating-point tensor becomes ``m + `` its slice of ``vector``, in its dtype."""
+    sizes = [u.numel() for u in updates(payload, message)]
+    pieces = vector.split(sizes)
+    return map_update(payload, message, lambda k, u: pieces[k].view_as(u).to(u))
+
+
 def vector_norm(tensors: list[torch.Tensor]) -> float:
     """``||(t_1, ..., t_k)||`` in float64."""
     return math.sqrt(sum(float(u.double().pow(2).sum()) for u in tensors))
