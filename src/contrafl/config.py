@@ -51,6 +51,23 @@ class Component:
         return {"name": self.name, **self.options} if self.options else self.name
 
 
+def component_name(component: Component, key: str, names: Sequence[str], how: str) -> str:
+    """The name ``component`` gives among ``names`` (folded, :func:`contrafl.params.fold`),
+    or a one-line error naming the value, the choices and ``how`` to set it."""
+    name = P.fold(component.name)
+    if name not in names:
+        raise ConfigError(f"{key}={component.name!r} is invalid: expected one of {', '.join(names)}{P.suggest(component.name, list(names))}; {how}")
+    return name
+
+
+def without_options(component: Component, key: str, off: str, advice: str, note: str = "") -> Component:
+    """``Component(off)`` for a component set to its option-less value ``off`` (``dp=none``),
+    or a one-line error naming the first option given, ``note`` on ``off`` and ``advice``."""
+    if component.options:
+        raise ConfigError(f"{key}.{next(iter(component.options))} is set but {key}={off}{note}; {advice}")
+    return Component(off)
+
+
 _pos = P.Interval(0, None, "neither")
 _nonneg = P.Interval(0, None)
 

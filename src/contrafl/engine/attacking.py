@@ -44,7 +44,7 @@ import torch
 from .. import params as P
 from ..algorithms import attacks
 from ..algorithms.base import Reply
-from ..config import Component
+from ..config import Component, component_name, without_options
 from ..data.base import ArrayDataset, FederatedDataset
 from ..data.partition import Partition
 from ..errors import ConfigError
@@ -116,13 +116,9 @@ def resolve_attack(component: Component, num_clients: int, clients_per_round: in
     per-label tables (``has_tables`` False; None: not known yet), a data attack on a
     self-supervised algorithm, with attackers drawn per round, or with a target label
     beyond ``num_classes``."""
-    name = P.fold(component.name)
-    if name not in ATTACKS:
-        raise ConfigError(f"attack={component.name!r} is invalid: expected one of {', '.join(NAMES)}{P.suggest(component.name, list(NAMES))}; set it with attack=NAME (docs/robustness.md)")
+    name = component_name(component, "attack", NAMES, "set it with attack=NAME (docs/robustness.md)")
     if name == "none":
-        if component.options:
-            raise ConfigError(f"attack.{next(iter(component.options))} is set but attack=none; choose an attack, e.g. attack=sign_flipping")
-        return Component("none")
+        return without_options(component, "attack", "none", "choose an attack, e.g. attack=sign_flipping")
     options = P.build(AttackParams, component.options, "attack")
     ignored = [k for k in component.options if k not in READS[name] + CHOOSING]
     if ignored:

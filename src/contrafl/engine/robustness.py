@@ -37,7 +37,7 @@ from torch.utils import _pytree as pytree
 from .. import params as P
 from ..algorithms import robust
 from ..algorithms.base import Reply
-from ..config import Component
+from ..config import Component, component_name, without_options
 from ..errors import ConfigError
 from ..execution.validate import is_label_table, update_vector, updates, with_update
 
@@ -104,16 +104,9 @@ def resolve_aggregator(component: Component, algo_cls: type, algo_params: Any, d
     an unknown rule, an option the rule does not read, an ``f`` the round's clients
     cannot support, an algorithm whose server needs more than weighted means, and
     ``dp=central`` (its noise is calibrated to a sum)."""
-    name = P.fold(component.name)
-    if name not in AGGREGATORS:
-        raise ConfigError(
-            f"aggregator={component.name!r} is invalid: expected one of {', '.join(NAMES)}{P.suggest(component.name, list(NAMES))}; "
-            "set it with aggregator=NAME (docs/robustness.md)"
-        )
+    name = component_name(component, "aggregator", NAMES, "set it with aggregator=NAME (docs/robustness.md)")
     if name == "mean":
-        if component.options:
-            raise ConfigError(f"aggregator.{next(iter(component.options))} is set but aggregator=mean, which has no options; choose a robust rule, e.g. aggregator=median")
-        return Component("mean")
+        return without_options(component, "aggregator", "mean", "choose a robust rule, e.g. aggregator=median", ", which has no options")
     options = P.build(AggregatorParams, component.options, "aggregator")
     ignored = [k for k in component.options if k not in READS[name]]
     if ignored:

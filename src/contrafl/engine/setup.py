@@ -20,7 +20,7 @@ import torch
 from .. import params as P
 from ..algorithms import ALGORITHMS, Algorithm
 from ..algorithms.base import Federation
-from ..config import DEFAULT_CLIENTS, DEFAULT_PARTITION, Component, Config
+from ..config import DEFAULT_CLIENTS, DEFAULT_PARTITION, Component, Config, component_name, without_options
 from ..cores import cpu_cores
 from ..data import augment
 from ..data.base import ArrayDataset, FederatedDataset
@@ -325,13 +325,9 @@ def resolve_dp(dp: Component, algo_cls: type[Algorithm], algo_params: Any) -> Co
     """The ``dp`` component validated and in canonical form: ``none``, or ``central`` /
     ``local`` with every option of :class:`~contrafl.engine.privacy.DPParams`; a one-line
     error for a mode the algorithm cannot take."""
-    mode = P.fold(dp.name)
-    if mode not in MODES:
-        raise ConfigError(f"dp={dp.name!r} is invalid: expected one of {', '.join(MODES)}{P.suggest(dp.name, list(MODES))}; set it with dp=central or dp=local")
+    mode = component_name(dp, "dp", MODES, "set it with dp=central or dp=local")
     if mode == "none":
-        if dp.options:
-            raise ConfigError(f"dp.{next(iter(dp.options))} is set but dp=none; add dp=central (the server adds the noise) or dp=local (each client does)")
-        return Component("none")
+        return without_options(dp, "dp", "none", "add dp=central (the server adds the noise) or dp=local (each client does)")
     options = P.build(DPParams, dp.options, "dp")
     why = algo_cls.individual_updates(algo_params)
     if not algo_cls.samples_clients:
