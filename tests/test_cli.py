@@ -98,6 +98,24 @@ def test_run_writes_run_dir_and_prints_progress(tmp_path, capsys):
     assert len(rows) == 2
 
 
+def test_a_run_collects_garbage_during_its_rounds_and_leaves_the_collector_as_it_found_it(tmp_path, monkeypatch):
+    """`contrafl run` starts with the cyclic garbage collector off (its start makes long-lived
+    objects only), turns it on for the rounds, and gives the process back with it on and
+    nothing frozen."""
+    import gc
+
+    from contrafl.engine import setup
+    from contrafl.engine.simulation import Simulation
+
+    starts, rounds = [], []
+    prepare, run = setup.prepare, Simulation.run
+    monkeypatch.setattr(setup, "prepare", lambda *a, **k: starts.append(gc.isenabled()) or prepare(*a, **k))
+    monkeypatch.setattr(Simulation, "run", lambda self: rounds.append((gc.isenabled(), gc.get_freeze_count() > 0)) or run(self))
+    assert main(["run", "--out", str(tmp_path / "r"), "rounds=1", "local_epochs=1", "--quiet"]) == 0
+    assert starts == [False] and rounds == [(True, True)]
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+
+
 def test_list_and_help(capsys):
     assert main(["list"]) == 0
     out = capsys.readouterr().out

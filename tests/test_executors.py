@@ -811,3 +811,22 @@ def test_functional_net_gives_cpu_image_batches_channels_last():
     mlp = build_model("mlp", (5,), 3)
     flat = torch.randn(4, 5)
     assert torch.equal(FunctionalNet(mlp)(dict(mlp.state_dict()), flat, train=False).logits, mlp.eval()(flat).logits)
+
+
+@pytest.mark.parametrize("layout", ["nchw", "channels_last", "uint8", "flat"])
+def test_take_rows_is_indexing_in_the_same_layout(layout):
+    """The batch gather copies rows in storage order; the values, shape and strides are
+    those of ``x[rows]``, whatever the layout, repeated rows included."""
+    from contrafl.execution.executor import take_rows
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(40, 3, 8, 8, generator=g)
+    if layout == "channels_last":
+        x = x.contiguous(memory_format=torch.channels_last)
+    elif layout == "uint8":
+        x = (x * 50).clamp(0, 255).to(torch.uint8)
+    elif layout == "flat":
+        x = x.flatten(1)
+    rows = torch.tensor([7, 0, 39, 7, 12])
+    got, want = take_rows(x, rows), x[rows]
+    assert torch.equal(got, want) and got.stride() == want.stride() and got.dtype == want.dtype

@@ -204,7 +204,8 @@ def test_every_robustness_sweep_is_valid(path):
 
     sweep = load_sweep(path)
     suite = sweep.suite()
-    assert sweep.seeds == [0, 1, 2] and "aggregator" in sweep.grid and "attack" in sweep.grid
+    assert len(sweep.seeds) >= (2 if path.name.startswith("reduced_") else 3)  # the grids: 3 seeds; intervals need 2
+    assert "aggregator" in sweep.grid and "attack" in sweep.grid
     setups = {}
     for cell in suite.methods:
         cfg = resolve(suite.config(cell, sweep.seeds[0]))

@@ -19,6 +19,7 @@ from contrafl.engine.robustness import RobustAggregation, detection
 from contrafl.engine.setup import prepare, resolve
 from contrafl.engine.simulation import Simulation
 from contrafl.errors import ConfigError
+from contrafl.execution.context import Context
 from test_resume import _killed_run, _uninterrupted
 
 RUN = ["num_clients=6", "rounds=3", "local_epochs=1", "executor=sequential"]
@@ -264,3 +265,29 @@ def test_encoder_collapse_pulls_every_weight_matrix_to_zero_and_keeps_the_vector
     crafted = Attack(Component("encoder_collapse", {"clients": [0]}), 4, 0, 1.0).craft(0, replies, [0], {c: message for c in range(4)})[0]
     assert torch.equal(crafted.payload["model"]["w"], torch.full((3, 2), 1.0 - 4))  # m + n (0 - m), n = 4 replies
     assert torch.equal(crafted.payload["model"]["b"], torch.ones(3))  # the message's vectors
+
+
+def test_the_backdoor_is_measured_on_the_personalised_models_of_every_client(tmp_path):
+    """Ditto (every client keeps a personal model) under a backdoor of client 0: the run's
+    ``personal_backdoor_success`` is the success rate of each client's own model on the
+    triggered test images of other labels, weighted by their number, recomputed here from
+    the clients' models; the attacker's model has learnt the backdoor, the honest ones
+    have not."""
+    cfg = load_config(None, ["num_clients=4", "rounds=2", "local_epochs=2", "lr=0.05", "executor=sequential", "algorithm=ditto",
+                             "eval_personal=true", "attack=backdoor", "attack.clients=[0]", "attack.poison=1.0"])
+    sim = Simulation(prepare(cfg))
+    sim.run()
+    last = sim.history[-1]
+    test, target = sim.test, sim.attack.params.target
+    others = test.y != target
+    x = test.x[others].clone()
+    x[..., -sim.attack.params.trigger:] = float(x.max())  # digits are vectors: the trigger is the last features
+    rates, algo = [], sim.algorithm
+    broadcast = algo.broadcast(sim.server, cfg.rounds)
+    for cid in range(4):
+        message = algo.message_for(broadcast, sim.server, cid, cfg.rounds)
+        model = algo.personal_model(sim.store.get(cid)["algorithm"], message, Context(sim, cid, cfg.rounds))
+        predicted = sim.net(model.state, sim.setup.eval_transform(x), train=False).logits.argmax(1)
+        rates.append(float((predicted == target).float().mean()))
+    assert last["personal_backdoor_success"] == pytest.approx(sum(rates) / 4)
+    assert rates[0] > 0.9 and max(rates[1:]) < 0.5, rates

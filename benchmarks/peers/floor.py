@@ -1,18 +1,23 @@
 """The arithmetic floor of the peer benchmarks' shapes on this CPU: how long any program
 takes for their local steps when it does nothing but a plain PyTorch training loop.
 
-    python benchmarks/peers/floor.py [--shape silo|device|both] [--processes 2]
+    python benchmarks/peers/floor.py [--shape silo|device|both] [--processes 2] [--seed 0]
+                                     [--data-dir DIR] [--full-batches-only]
 
-A shape's local training is ``samples`` images in batches of ``batch`` through MOON's CNN
-with its head (``_common.moon_cnn``, the model both programs train), cross-entropy, plain
-SGD, forward and backward, eager PyTorch. Here ``processes`` processes of one thread each
-(as pfl under ``torchrun`` and contrafl's ranks run) each train ``samples / processes``
-images, in NCHW (pfl's layout) and channels-last (contrafl's on the CPU), on random
-data held in memory: no data loading, no aggregation, no evaluation, no start-up. The
-wall time of the slowest process is the floor: a program that runs the same steps with
-PyTorch's CPU kernels cannot finish its training faster. The samples of each shape are
-those of the issue's runs on the 10% CIFAR-10 subset (every sampled client's images,
-every round, every epoch).
+A shape's local training is its batches through MOON's CNN with its head
+(``_common.moon_cnn``, the model both programs train), cross-entropy, plain SGD, forward
+and backward, eager PyTorch. The batches are those of the shape's run for ``--seed``:
+contrafl's partition of the CIFAR-10 data in ``--data-dir`` and its sampled clients of
+every round (``_common.make_spec``, what the peer benchmarks check both programs against),
+each sampled client's epochs cut into batches with the last partial one kept, as both
+programs train them. Here ``processes`` processes of one thread each (as pfl under
+``torchrun`` and contrafl's ranks run) each train every ``processes``-th batch, in NCHW
+(pfl's layout) and channels-last (contrafl's on the CPU), on random data held in memory:
+no data loading, no aggregation, no evaluation, no start-up. The wall time of the
+slowest process is the floor: a program that runs the same steps with PyTorch's CPU
+kernels cannot finish its training faster. ``--full-batches-only`` leaves the partial
+batches out (the floor as issues #36 and #57 first measured it; for seed 0 the partial
+batches are 4,226 of the device shape's 29,226 steps and 500 of the silo shape's 4,300).
 """
 
 from __future__ import annotations
@@ -24,16 +29,25 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import moon_cnn  # noqa: E402
-
-# images trained in each shape's run (clients x images x epochs x rounds), and the batch
-SHAPES = {
-    "silo": (5085 * 5 * 10, 64),  # every client of the subset's 5,085 images, 5 epochs, 10 rounds
-    "device": (2542 * 100, 10),  # 50 of 100 clients of about 50.85 images, 1 epoch, 100 rounds
-}
+from _common import SHAPES, make_spec, moon_cnn  # noqa: E402
 
 
-def train(samples: int, batch: int, channels_last: bool, out: mp.Queue) -> None:
+def batches(shape: str, data_dir: str, seed: int) -> list[int]:
+    """The batch sizes of ``shape``'s local steps in its run for ``seed``, in order: every
+    round's sampled clients, each client's epochs of ``ceil(n / batch)`` batches."""
+    import tempfile
+
+    spec = make_spec(SHAPES[shape], data_dir, seed, SHAPES[shape].rounds, Path(tempfile.mkdtemp()))
+    b, out = spec["batch_size"], []
+    for sampled in spec["schedule"]:
+        for cid in sampled:
+            n = len(spec["clients"][cid])
+            out += ([b] * (n // b) + ([n % b] if n % b else [])) * spec["local_epochs"]
+    assert len(out) == sum(spec["local_steps"]) and sum(out) == sum(len(spec["clients"][c]) for s in spec["schedule"] for c in s) * spec["local_epochs"]
+    return out
+
+
+def train(sizes: list[int], channels_last: bool, out: mp.Queue) -> None:
     import torch
 
     torch.set_num_threads(1)
@@ -43,25 +57,25 @@ def train(samples: int, batch: int, channels_last: bool, out: mp.Queue) -> None:
     if channels_last:
         model, x = model.to(memory_format=torch.channels_last), x.contiguous(memory_format=torch.channels_last)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    steps = -(-samples // batch)
-    for i in range(20):  # warm-up
+    for batch in sorted(set(sizes)) * 5:  # warm-up: every batch shape
         opt.zero_grad()
         torch.nn.functional.cross_entropy(model(x[:batch]), y[:batch]).backward()
         opt.step()
     start = time.perf_counter()
-    for i in range(steps):
-        j = i * batch % (len(x) - batch)
+    j = 0
+    for batch in sizes:
+        j = j + batch if j + 2 * batch <= len(x) else 0
         opt.zero_grad()
         torch.nn.functional.cross_entropy(model(x[j : j + batch]), y[j : j + batch]).backward()
         opt.step()
     out.put(time.perf_counter() - start)
 
 
-def floor(samples: int, batch: int, processes: int, channels_last: bool) -> float:
-    """The slowest of ``processes`` processes training their share of ``samples``."""
+def floor(sizes: list[int], processes: int, channels_last: bool) -> float:
+    """The slowest of ``processes`` processes, each training every ``processes``-th batch."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=train, args=(samples // processes, batch, channels_last, out)) for _ in range(processes)]
+    procs = [ctx.Process(target=train, args=(sizes[i::processes], channels_last, out)) for i in range(processes)]
     for p in procs:
         p.start()
     times = [out.get() for _ in procs]
@@ -74,13 +88,20 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", choices=["silo", "device", "both"], default="both")
     p.add_argument("--processes", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0, help="the run whose partition and sampled clients give the batches")
+    p.add_argument("--data-dir", default=str(Path(__file__).resolve().parents[2].parent / "shared/data/cifar-10-batches-py"),
+                   help="the cifar-10-batches-py folder (default: ../shared/data/cifar-10-batches-py beside the repository)")
+    p.add_argument("--full-batches-only", action="store_true", help="leave out the clients' partial last batches")
     a = p.parse_args()
     for shape in ["silo", "device"] if a.shape == "both" else [a.shape]:
-        samples, batch = SHAPES[shape]
+        sizes = batches(shape, a.data_dir, a.seed)
+        if a.full_batches_only:
+            sizes = [b for b in sizes if b == SHAPES[shape].batch_size]
         for name, cl in (("NCHW", False), ("channels-last", True)):
-            seconds = floor(samples, batch, a.processes, cl)
-            print(f"{shape}: {samples:,} images in batches of {batch} on {a.processes} processes, {name}: {seconds:.1f} s "
-                  f"({seconds / (samples / a.processes) * 1e6:.0f} us an image)")
+            seconds = floor(sizes, a.processes, cl)
+            print(f"{shape}: {sum(sizes):,} images in {len(sizes):,} batches (of {SHAPES[shape].batch_size} and "
+                  f"{sum(b < SHAPES[shape].batch_size for b in sizes):,} partial) on {a.processes} processes, {name}: "
+                  f"{seconds:.1f} s ({seconds / (sum(sizes) / a.processes) * 1e6:.0f} us an image)")
 
 
 if __name__ == "__main__":

@@ -48,6 +48,7 @@ from ..config import Component, component_name, without_options
 from ..data.base import ArrayDataset, FederatedDataset
 from ..data.partition import Partition
 from ..errors import ConfigError
+from ..execution.outcomes import Probe
 from ..execution.validate import float_leaves, is_label_table, map_update, update_vector, updates, with_update
 from ..rng import generator
 
@@ -272,16 +273,25 @@ class Attack:
             x[..., -k:] = top
         return x
 
-    def test_sets(self, test: ArrayDataset) -> dict[str, ArrayDataset]:
-        """What the global model is evaluated on besides the test set, by metric name:
-        ``backdoor_success``, the test samples of labels other than the target with the
-        trigger, labelled with the target (the accuracy on them is the attack's success
-        rate)."""
+    def probes(self) -> dict[str, Probe]:
+        """What a model is evaluated on besides its test data, by metric name, made from
+        that data: ``backdoor_success``, the samples of labels other than the target with
+        the trigger, labelled with the target (the accuracy on them is the attack's
+        success rate); nothing for an attack without a backdoor."""
         if self.name not in ("backdoor", "model_replacement"):
             return {}
-        others = test.y != self.params.target
-        x = self.triggered(test.x[others].cpu()).to(test.x.device)
-        return {"backdoor_success": ArrayDataset(x, torch.full_like(test.y[others], self.params.target))}
+        return {"backdoor_success": self.backdoor_probe}
+
+    def backdoor_probe(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The samples of ``(x, y)`` whose label is not the target, with the trigger, and
+        the target as their label."""
+        others = y != self.params.target
+        return self.triggered(x[others].cpu()).to(x.device), torch.full_like(y[others], self.params.target)
+
+    def test_sets(self, test: ArrayDataset) -> dict[str, ArrayDataset]:
+        """What the global model is evaluated on besides the test set, by metric name
+        (:meth:`probes` of the test set)."""
+        return {name: ArrayDataset(*probe(test.x, test.y)) for name, probe in self.probes().items()}
 
 
 def _flip_tables(payload: Any) -> Any:

@@ -92,7 +92,9 @@ class Evaluation:
         FedProto's prototype distances have none); sums in client order, whatever order
         the scores arrive in. ``client_acc``, ``client_loss`` and ``client_n`` list every
         client's own values by client id (``None`` for a client without a personal model,
-        test samples or reply)."""
+        test samples or reply). With an attack's probes (the clients' :attr:`probes`),
+        ``personal_<name>`` is each probe's sample-weighted accuracy over the clients, e.g.
+        ``personal_backdoor_success``, the backdoor's success rate on the personal models."""
         algo = self.algorithm
         message = algo.broadcast(self.server, next_round)
         evaluate_round = self.transport.evaluate if self.transport is not None else self.evaluate_locally
@@ -112,6 +114,10 @@ class Evaluation:
         if all(res["loss"] is not None for res in scored):
             out["personal_loss"] = sum(res["loss"] * res["n"] for res in scored) / total
         out["personal_clients"] = len(scored)
+        for name in sorted({name for res in scored for name in res.get("probes", {})}):  # e.g. the backdoor's success rate
+            probed = [res["probes"][name] for res in scored if res.get("probes", {}).get(name, {}).get("n")]
+            if probed:
+                out[f"personal_{name}"] = sum(p["acc"] * p["n"] for p in probed) / sum(p["n"] for p in probed)
         for key in ("acc", "loss", "n"):
             out[f"client_{key}"] = [None if scores.get(cid) is None else scores[cid][key] for cid in clients]
         return out

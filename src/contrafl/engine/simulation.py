@@ -113,6 +113,7 @@ class Simulation(LocalClients, Resumable, Evaluation, Outputs):
         """The run's Byzantine clients (``attack``), or None."""
         self.attack_tests = self.attack.test_sets(self.test) if self.attack is not None else {}
         """What the global model is evaluated on besides the test set (the backdoor's success rate)."""
+        self.probes = self.attack.probes() if self.attack is not None else {}
         self.schedule = sample_schedule(cfg.num_clients, cfg.sample_fraction, cfg.rounds, cfg.seed)
         """Each round's clients drawn from the seed (:meth:`sample`: the round's actual
         clients, which ``sampling=secret`` draws otherwise; time estimates take this one)."""

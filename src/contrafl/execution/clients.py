@@ -31,7 +31,7 @@ from ..speeds import client_speeds, round_speed, step_budget
 from .context import Context, LocalPrivacy, Setup, Store, Watcher
 from .executor import AutocastNet, FunctionalNet, Job, PhaseRun, SequentialExecutor, Workload
 from .optim import make_optimizer
-from .outcomes import ClientOutcome, Scores, loss_parts
+from .outcomes import ClientOutcome, Probe, Scores, loss_parts
 from .parallel import ParallelExecutor
 from .plan import ClientPlan, epoch_batch_sizes, make_plan
 from .replies import ReplyChecks
@@ -95,6 +95,9 @@ class LocalClients(ReplyChecks):
         self.round_work: RoundWork | None = None
         """The current round's progress, in which a transport that sees its clients' local
         steps counts them."""
+        self.probes: dict[str, Probe] = {}
+        """What the clients' personal models are evaluated on besides their test data, by
+        name (:meth:`evaluate_locally`): an attack's (a backdoor's success rate)."""
 
     def initial_state(self, cid: int) -> StateDict:
         """Client ``cid``'s own random initialisation (MOON initialises every party's net)."""
@@ -300,7 +303,8 @@ class LocalClients(ReplyChecks):
     ) -> Iterator[tuple[int, Scores | None]]:
         """Clients ``cids`` evaluated in this process (:meth:`Transport.evaluate`): each
         one's personal model from its stored state (its initial state when it has none)
-        and ``message_for(cid)``, on its local test split or the global test set."""
+        and ``message_for(cid)``, on its local test split or the global test set, and on
+        what each of :attr:`probes` makes of that data (``probes`` in its scores)."""
         algo, tf, bs = self.algorithm, self.setup.eval_transform, self.cfg.eval_batch_size
         test_rows = self.setup.partition.test
         for cid in cids:
@@ -316,4 +320,14 @@ class LocalClients(ReplyChecks):
                 x, y = self.train.x[rows], self.train.y[rows]
             else:
                 x, y = self.test.x, self.test.y
-            yield cid, evaluate(self.net, model.state, x, y, tf, bs, scores=model.scores)
+            scores = evaluate(self.net, model.state, x, y, tf, bs, scores=model.scores)
+            if self.probes:
+                scores["probes"] = {name: _probed(probe(x, y), self.net, model, tf, bs) for name, probe in self.probes.items()}
+            yield cid, scores
+
+
+def _probed(data: tuple[torch.Tensor, torch.Tensor], net: Any, model: Any, transform: Any, batch_size: int) -> Scores:
+    """A personal model's accuracy on a probe's data (:data:`~contrafl.execution.outcomes.Probe`)."""
+    x, y = data
+    res = evaluate(net, model.state, x, y, transform, batch_size, scores=model.scores)
+    return {"acc": res["acc"], "n": res["n"]}

@@ -191,10 +191,21 @@ class Workload:
         """The batch of ``rows`` with each view's augmentation applied, in the layout the
         model gets it (:meth:`FunctionalNet.layout`: once per batch, not once per forward
         pass of a loss that runs several models on it)."""
-        raw = self.x[rows]
+        raw = take_rows(self.x, rows)
         views = [view_transform(self.transform, v)(raw, params) for v, params in enumerate(aug)]
         x = self.net.layout(views[0]) if len(views) == 1 else torch.stack(views)
-        return Batch(x, self.y[rows])
+        return Batch(x, self.y.index_select(0, rows))
+
+
+def take_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``x[rows]``, the same values in the same layout, copied in ``x``'s storage order:
+    a channels-last image tensor is gathered as its contiguous ``[N, H, W, C]`` rows
+    (``index_select``, one block copy a row), where indexing copies it element by element
+    through its strides (10 rows of 3x32x32 on one CPU core: 5.7 against 28 us, against
+    about 1.9 ms for the step of MOON's CNN that takes them)."""
+    if x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last):
+        return x.permute(0, 2, 3, 1).index_select(0, rows).permute(0, 3, 1, 2)
+    return x.index_select(0, rows)
 
 
 def draw_noise(stage: Stage, g: torch.Generator, device: torch.device) -> dict[str, torch.Tensor]:
@@ -260,6 +271,7 @@ class SequentialExecutor:
         frozen = dict(task.frozen)
         states = job.opt_state or w.init_opt_states(task)
         stats: dict[str, torch.Tensor] = {}
+        view = TaskView(params, buffers, frozen, task.consts)  # frozen: updated in place at epoch ends
         seed_global(job.seed, w.x.device)
         for p, (phase, plan, where) in enumerate(zip(w.phases, job.plans, w.opt_slices())):
             keys = [stage_keys(stage, task) for stage in phase.stages]
@@ -270,8 +282,8 @@ class SequentialExecutor:
                 batch = w.inputs(rows, aug)
                 for stage, ts, state in zip(phase.stages, tensors, states[where]):
                     for _ in range(stage.repeat):
-                        batch = batch._replace(noise=draw_noise(stage, g, w.x.device))
-                        view = TaskView(params, buffers, frozen, task.consts)
+                        if stage.noise or batch.noise:
+                            batch = batch._replace(noise=draw_noise(stage, g, w.x.device))
                         if stage.pre_step is not None:
                             with torch.no_grad():
                                 set_values(params, stage.pre_step(view, batch, w.net))
@@ -352,4 +364,7 @@ def accumulate(total: dict[str, torch.Tensor], stats: dict[str, torch.Tensor]) -
     """``total += stats`` key by key (detached)."""
     for k, v in stats.items():
         v = v.detach().float()
-        total[k] = total[k] + v if k in total else v.clone()
+        if k in total:
+            total[k].add_(v)
+        else:
+            total[k] = v.clone()

@@ -68,9 +68,15 @@ def as_floats(tree: Any) -> Any:
     return pytree.tree_unflatten(leaves, spec)
 
 
-Scores = dict[str, float]
+Scores = dict[str, Any]
 """A model's evaluation on a client's test data: ``acc``, ``loss`` (means) and ``n``
-(:func:`contrafl.metrics.evaluate.evaluate`)."""
+(:func:`contrafl.metrics.evaluate.evaluate`); with probes (:data:`Probe`), ``probes``:
+each probe's ``{"acc", "n"}`` by name."""
+
+Probe = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+"""What a client's model is evaluated on besides its test data, made from that data:
+``(x, y) -> (x', y')``, the accuracy on which is the probe's measure (a backdoor's
+success rate: the samples of other labels with the trigger, labelled with the target)."""
 
 
 class Transport(Protocol):

@@ -7,6 +7,7 @@ it, so the sequential and the vectorized executor see identical batches.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -35,7 +36,7 @@ class ClientPlan:
     epoch_ends: frozenset[int]
 
     def __post_init__(self) -> None:
-        self.offsets = np.concatenate([[0], np.cumsum(self.sizes)]).astype(int).tolist()
+        self.offsets = [0, *itertools.accumulate(self.sizes)]
 
     @property
     def steps(self) -> int:
@@ -54,6 +55,8 @@ class ClientPlan:
         return ClientPlan(self.order[:end], self.sizes[:steps], aug, frozenset(e for e in self.epoch_ends if e < steps))
 
     def to(self, device: torch.device) -> "ClientPlan":
+        if self.order.device == torch.device(device) and all(v.device == self.order.device for view in self.aug for v in view.values()):
+            return self
         aug = [{k: v.to(device) for k, v in view.items()} for view in self.aug]
         return ClientPlan(self.order.to(device), self.sizes, aug, self.epoch_ends)
 

@@ -261,6 +261,9 @@ METRICS = (  # the accuracies a run is judged by (run_metric), each family in ta
 ATTACK_METRICS = (  # what an attack achieved: families of their own, never on an accuracy's axis or judging a run
     Metric("backdoor_success", "backdoor success", None,
            "Backdoor: the global model's attack success rate (lower is better for the defender)", lower_is_better=True),
+    Metric("personal_backdoor_success", "client backdoor success", None,
+           "Backdoor: the personalised models' attack success rate, sample-weighted over the clients (lower is better for the defender)",
+           lower_is_better=True),
 )
 
 

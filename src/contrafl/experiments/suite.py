@@ -251,7 +251,8 @@ def _final_line(suite: Suite, summary: Mapping[str, Any]) -> str:
     if suite.metric == "best":
         value = summary.get("best_personal_acc")
         return f"best client accuracy {'-' if value is None else f'{value:.4f}'}"
-    names = {"test_acc": "test accuracy", "personal_acc": "client accuracy", "knn_acc": "kNN accuracy", "backdoor_success": "backdoor success"}
+    names = {"test_acc": "test accuracy", "personal_acc": "client accuracy", "knn_acc": "kNN accuracy", "backdoor_success": "backdoor success",
+             "personal_backdoor_success": "client backdoor success"}
     keys = ["knn_acc"] if suite.metric == "representation" else list(names)
     parts = [f"final {names[k]} {final[k]:.4f}" for k in keys if final.get(k) is not None]
     return ", ".join(parts) or "no evaluated accuracy"
