@@ -3,6 +3,7 @@ lead somewhere."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -72,3 +73,20 @@ def test_the_python_api_example_runs_where_workers_are_spawned(tmp_path):
     assert done.returncode != 0
     assert 'worker 1 ended (exit code 1) before it joined the run' in done.stderr
     assert 'under `if __name__ == "__main__":`' in done.stderr.splitlines()[-1]
+
+
+def test_the_byzantine_section_commands_run_as_written(tmp_path):
+    """The README's "Byzantine clients" commands, each as written with two rounds and a run
+    directory added: every `contrafl run` line completes and its done line reports what
+    the section says a run records."""
+    from contrafl.cli import main
+
+    section = README[README.index("## Byzantine clients"):]
+    block = section[section.index("```bash") + len("```bash"):section.index("```", section.index("```bash") + 7)]
+    lines = [line.split()[1:] for line in block.strip().splitlines()]
+    assert lines and all(line[0] in ("run", "list") for line in lines)
+    for i, args in enumerate(lines):
+        extra = ["rounds=2", "--out", str(tmp_path / str(i)), "--quiet"] if args[0] == "run" else []
+        assert main([*args, *extra]) == 0, args
+    backdoor = [json.loads(x) for x in (tmp_path / "1" / "metrics.jsonl").read_text().splitlines()][-1]
+    assert 0 <= backdoor["personal_backdoor_success"] <= 1 and "backdoor_success" in backdoor and "aggregator" in backdoor
