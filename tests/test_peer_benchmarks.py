@@ -82,7 +82,13 @@ needs_cifar = pytest.mark.skipif(not (CIFAR / "data_batch_1").exists(), reason="
 @needs_cifar
 @pytest.mark.skipif(importlib.util.find_spec("pfl") is None, reason="pfl (pfl-research) is not installed")
 def test_pfl_research_quick_check_runs_both_programs_on_equal_work(tmp_path):
-    assert_equal_work(quick_check("pfl_research.py", tmp_path, "--configs", "single"), ["pfl"])
+    result = quick_check("pfl_research.py", tmp_path, "--configs", "single", "--floor")
+    floor = result["programs"].pop("floor")  # the plain loop of the same steps, alternated with the programs
+    assert_equal_work(result, ["pfl"])
+    assert floor["local_steps"] == result["programs"]["contrafl"]["local_steps"] and floor["accuracy_by_seed"] == {"0": None}
+    assert 0 < floor["rounds_median_s"] < floor["median_s"]  # its steps inside its process
+    [ratio] = result["programs"]["contrafl"]["floor_ratios"]
+    assert ratio == pytest.approx(result["programs"]["contrafl"]["median_s"] / floor["rounds_median_s"])
 
 
 def test_the_round_profiles_unfold_probe_computes_the_convolution(monkeypatch):

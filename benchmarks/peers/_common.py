@@ -296,7 +296,7 @@ def work_problems(spec: dict[str, Any], record: dict[str, Any]) -> list[str]:
         if got != want:
             out.append(f"round {t} took {got} local steps instead of {want}")
             break
-    if sorted(record["test_acc"]) != spec["eval_rounds"]:
+    if sorted(record["test_acc"]) != spec["eval_rounds"] and not record.get("floor"):  # the floor evaluates nothing
         out.append(f"evaluated after rounds {sorted(record['test_acc'])} instead of {spec['eval_rounds']}")
     if "partition" in record and record["partition"] != spec["clients"]:
         out.append("contrafl's run partitioned the data otherwise than the spec")
@@ -470,6 +470,18 @@ def contrafl_program(python: str, settings: str = "") -> Program:
     return Program(f"contrafl {settings}".strip(), command, contrafl_record)
 
 
+def floor_program(python: str) -> Program:
+    """``floor.py --spec SPEC --out DIR``: the spec's batches through the plain loop
+    (:mod:`floor`), timed as a program, so that the floor alternates with the programs and
+    a change of the machine's speed hits it too. It evaluates nothing (no accuracy)."""
+    script = Path(__file__).resolve().parent / "floor.py"
+
+    def command(spec: dict[str, Any], out: Path) -> list[str]:
+        return [python, str(script), "--spec", spec["path"], "--out", str(out)]
+
+    return Program("floor", command, lambda out: json.loads((out / "record.json").read_text()))
+
+
 def benchmark_parser(doc: str, seeds_help: str, rounds_help: str, work: Path) -> argparse.ArgumentParser:
     """The options every peer benchmark takes (a script adds its peer's own); ``--peer``
     and ``--out`` start the peer's process."""
@@ -486,6 +498,9 @@ def benchmark_parser(doc: str, seeds_help: str, rounds_help: str, work: Path) ->
              "'' 'executor=distributed workers=2' (default: '', its automatic executor); "
              "the first is the one the ratios divide by",
     )
+    p.add_argument("--floor", action="store_true",
+                   help="also time floor.py on each seed's batches, alternating with the programs "
+                        "(a plain PyTorch loop of the same steps on 2 one-thread processes: the arithmetic floor)")
     p.add_argument("--python", default=sys.executable, help="interpreter of both programs (default: this one)")
     p.add_argument("--work", type=Path, default=work, help="specs, runs and logs")
     p.add_argument("--json", type=Path, help="also write the results here")
@@ -505,7 +520,7 @@ def run_benchmark(a: argparse.Namespace, peers: list[Program], rounds: Mapping[s
     print_machine(a.python)
     shutil.rmtree(a.work, ignore_errors=True)
     a.work.mkdir(parents=True)
-    programs = [contrafl_program(a.python, c) for c in a.contrafl] + peers
+    programs = [contrafl_program(a.python, c) for c in a.contrafl] + peers + ([floor_program(a.python)] if a.floor else [])
     results = []
     for name in (["silo", "device"] if a.shape == "both" else [a.shape]):
         shape = SHAPES[name]
@@ -549,9 +564,10 @@ def run_once(program: Program, spec: dict[str, Any], pair: int, work: Path) -> R
         fail(f"{program.name} did other work than the spec {spec['path']}: " + "; ".join(problems))
     acc, steps = final_accuracy(record), sum(record["local_steps"])
     in_rounds = f" ({record['rounds_s']:.1f} s in its rounds)" if record.get("rounds_s") is not None else ""
-    print(f"  seed {spec['seed']} pair {pair}: {program.name:<16} {wall:7.1f} s{in_rounds}  test accuracy after "
-          f"{max(record['test_acc'])} rounds {acc:.4f}, {steps} local steps, same clients, steps and "
-          f"evaluations as the spec{peer_evidence(record)}   (load {load()})")
+    what = (f"test accuracy after {max(record['test_acc'])} rounds {acc:.4f}, {steps} local steps, same clients, "
+            f"steps and evaluations as the spec" if acc is not None else f"{steps} local steps of the spec's clients, no evaluation")
+    print(f"  seed {spec['seed']} pair {pair}: {program.name:<16} {wall:7.1f} s{in_rounds}  {what}"
+          f"{peer_evidence(record)}   (load {load()})")
     return Run(program.name, spec["seed"], pair, wall, acc, steps, record.get("rounds_s"))
 
 
@@ -589,10 +605,17 @@ def report(shape: Shape, rounds: int, runs: list[Run], programs: list[str]) -> d
         rounds_cells = (f"{rounds_m:.1f} | {rounds_m / base_rounds_m:.2f}x" if rounds_m is not None and base_rounds_m
                         else "- | -")
         print(f"| {name} | {', '.join(f'{r.wall:.1f}' for r in mine)} | {m:.1f} | {m / base:.2f}x | "
-              f"{min(pairs):.2f}-{max(pairs):.2f}x | {rounds_cells} | {' '.join(f'{a:.3f}' for a in by_seed.values())} | "
+              f"{min(pairs):.2f}-{max(pairs):.2f}x | {rounds_cells} | {' '.join('-' if a is None else f'{a:.3f}' for a in by_seed.values())} | "
               f"{spread(list(by_seed.values()))} |")
         out["programs"][name] = {"wall_s": [r.wall for r in mine], "median_s": m, "ratio": m / base,
                                  "rounds_s": in_rounds, "rounds_median_s": rounds_m,
                                  "pair_ratios": pairs, "accuracy_by_seed": by_seed,
                                  "local_steps": sorted({r.steps for r in mine})}
+    floors = {(r.seed, r.pair): r.rounds_s for r in runs if r.program == "floor"}
+    if floors:  # issue #57's measure: each contrafl run's whole process over its pair's floor (the steps alone)
+        for name in [n for n in programs if n.startswith("contrafl")]:
+            ratios = [r.wall / floors[(r.seed, r.pair)] for r in runs if r.program == name and (r.seed, r.pair) in floors]
+            print(f"{name} / floor (its whole process over the same seed and pair's steps in the plain loop): "
+                  f"median {median(ratios):.2f}x, {min(ratios):.2f}-{max(ratios):.2f}x over {len(ratios)} pairs")
+            out["programs"][name]["floor_ratios"] = ratios
     return out

@@ -3,6 +3,7 @@ takes for their local steps when it does nothing but a plain PyTorch training lo
 
     python benchmarks/peers/floor.py [--shape silo|device|both] [--processes 2] [--seed 0]
                                      [--data-dir DIR] [--full-batches-only]
+    python benchmarks/peers/pfl_research.py --shape both --floor   # alternated with the programs
 
 A shape's local training is its batches through MOON's CNN with its head
 (``_common.moon_cnn``, the model both programs train), cross-entropy, plain SGD, forward
@@ -23,6 +24,7 @@ batches are 4,226 of the device shape's 29,226 steps and 500 of the silo shape's
 from __future__ import annotations
 
 import argparse
+import json
 import multiprocessing as mp
 import sys
 import time
@@ -33,17 +35,25 @@ from _common import SHAPES, make_spec, moon_cnn  # noqa: E402
 
 
 def batches(shape: str, data_dir: str, seed: int) -> list[int]:
-    """The batch sizes of ``shape``'s local steps in its run for ``seed``, in order: every
-    round's sampled clients, each client's epochs of ``ceil(n / batch)`` batches."""
+    """The batch sizes of ``shape``'s local steps in its run for ``seed``, in order."""
     import tempfile
 
     spec = make_spec(SHAPES[shape], data_dir, seed, SHAPES[shape].rounds, Path(tempfile.mkdtemp()))
+    return [b for steps in round_batches(spec) for b in steps]
+
+
+def round_batches(spec: dict) -> list[list[int]]:
+    """Each round's batch sizes in the run of a peer benchmark's spec (``_common.make_spec``):
+    the round's sampled clients, each client's epochs of ``ceil(n / batch)`` batches, the
+    last one partial."""
     b, out = spec["batch_size"], []
     for sampled in spec["schedule"]:
+        sizes = []
         for cid in sampled:
             n = len(spec["clients"][cid])
-            out += ([b] * (n // b) + ([n % b] if n % b else [])) * spec["local_epochs"]
-    assert len(out) == sum(spec["local_steps"]) and sum(out) == sum(len(spec["clients"][c]) for s in spec["schedule"] for c in s) * spec["local_epochs"]
+            sizes += ([b] * (n // b) + ([n % b] if n % b else [])) * spec["local_epochs"]
+        out.append(sizes)
+    assert [len(r) for r in out] == spec["local_steps"]
     return out
 
 
@@ -92,7 +102,17 @@ def main() -> None:
     p.add_argument("--data-dir", default=str(Path(__file__).resolve().parents[2].parent / "shared/data/cifar-10-batches-py"),
                    help="the cifar-10-batches-py folder (default: ../shared/data/cifar-10-batches-py beside the repository)")
     p.add_argument("--full-batches-only", action="store_true", help="leave out the clients' partial last batches")
+    p.add_argument("--spec", type=Path, help="the batches of a peer benchmark's spec instead (its --floor), channels-last")
+    p.add_argument("--out", type=Path, help="with --spec: where to write record.json")
     a = p.parse_args()
+    if a.spec is not None:
+        spec = json.loads(a.spec.read_text())
+        rounds = round_batches(spec)
+        seconds = floor([b for steps in rounds for b in steps], a.processes, True)
+        a.out.mkdir(parents=True, exist_ok=True)
+        record = {"floor": True, "clients": spec["schedule"], "local_steps": [len(r) for r in rounds], "test_acc": {}, "rounds_s": seconds}
+        (a.out / "record.json").write_text(json.dumps(record))
+        return
     for shape in ["silo", "device"] if a.shape == "both" else [a.shape]:
         sizes = batches(shape, a.data_dir, a.seed)
         if a.full_batches_only:
