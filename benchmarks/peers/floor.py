@@ -38,7 +38,8 @@ def batches(shape: str, data_dir: str, seed: int) -> list[int]:
     """The batch sizes of ``shape``'s local steps in its run for ``seed``, in order."""
     import tempfile
 
-    spec = make_spec(SHAPES[shape], data_dir, seed, SHAPES[shape].rounds, Path(tempfile.mkdtemp()))
+    with tempfile.TemporaryDirectory() as work:  # the spec's files (its initial weights), not needed here
+        spec = make_spec(SHAPES[shape], data_dir, seed, SHAPES[shape].rounds, Path(work))
     return [b for steps in round_batches(spec) for b in steps]
 
 
@@ -106,6 +107,8 @@ def main() -> None:
     p.add_argument("--out", type=Path, help="with --spec: where to write record.json")
     a = p.parse_args()
     if a.spec is not None:
+        if a.out is None:
+            p.error("--spec needs --out DIR (where record.json goes)")
         spec = json.loads(a.spec.read_text())
         rounds = round_batches(spec)
         seconds = floor([b for steps in rounds for b in steps], a.processes, True)
