@@ -77,8 +77,8 @@ def test_the_python_api_example_runs_where_workers_are_spawned(tmp_path):
 
 def test_the_byzantine_section_commands_run_as_written(tmp_path):
     """The README's "Byzantine clients" commands, each as written with two rounds and a run
-    directory added: every `contrafl run` line completes and its done line reports what
-    the section says a run records."""
+    directory added: every `contrafl run` line completes, and the backdoor run's metrics
+    hold what the section says a run records."""
     from contrafl.cli import main
 
     section = README[README.index("## Byzantine clients"):]
