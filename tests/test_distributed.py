@@ -28,7 +28,7 @@ from contrafl.config import load_config
 from contrafl.errors import ConfigError
 from contrafl.execution.clients import LocalClients
 from contrafl.execution import distributed
-from contrafl.execution.distributed import assign
+from contrafl.execution.distributed import assign, split_tail
 from contrafl.execution.partial import restore
 from contrafl.engine.run_dir import RunDir
 from contrafl.engine.setup import prepare
@@ -74,6 +74,47 @@ def test_shares_are_balanced_and_keep_clients_on_the_rank_that_holds_their_state
     shares = assign({c: 1 + c % 3 for c in range(20)}, {}, 3)
     assert sorted(c for s in shares for c in s) == list(range(20))
     assert max(sum(1 + c % 3 for c in s) for s in shares) - min(sum(1 + c % 3 for c in s) for s in shares) <= 1
+
+
+def test_the_tail_is_the_stateless_clients_with_the_fewest_steps_longest_first():
+    steps = {0: 6, 1: 5, 2: 6, 3: 5, 4: 5, 5: 6, 6: 2}
+    assert split_tail(steps, steps, 0.25) == [4, 6]  # a quarter of 35 steps: 2 + 5 fit, a second 5 does not
+    assert split_tail(steps, [0, 2, 5, 6], 0.25) == [5, 6]  # 1, 3 and 4 hold a state: 2 + 6 fit
+    assert split_tail(steps, steps, 0.0) == [] and split_tail({}, [], 0.25) == []
+    assert split_tail(steps, steps, 1.0) == [0, 2, 5, 1, 3, 4, 6]
+
+
+FEDAVG = ["algorithm=fedavg", "num_clients=8", "sample_fraction=1", "rounds=2", "local_epochs=1",
+          "executor=distributed", "workers=2"]
+
+
+@pytest.mark.parametrize("takes", ["rank 0", "the worker"])
+def test_who_trains_the_tail_changes_no_bit(tmp_path, monkeypatch, takes):
+    """The tail's clients go to whichever rank is free first: luck. Whether rank 0 or the
+    worker trains all of them, the run computes the same bytes as when they share them
+    (the tail's replies travel one by one; only the fixed shares are summed on a rank)."""
+    base = tmp_path / "shared"
+    assert Simulation(prepare(load_config(None, FEDAVG)), RunDir(base)).run()["status"] == "completed"
+    parent, taken = os.getpid(), distributed.taken
+    got = multiprocessing.get_context("fork").Queue()
+
+    def one_rank_takes_all(store, key, tail):
+        here = "rank 0" if os.getpid() == parent else "the worker"
+        if here != takes:  # the other rank finds the tail taken: it waits until the counter says so
+            while store.add(key, 0) < len(tail):
+                time.sleep(0.001)
+            return
+        for cid in taken(store, key, tail):
+            got.put(cid)
+            yield cid
+
+    monkeypatch.setattr(distributed, "taken", one_rank_takes_all)  # the forked worker inherits it
+    run = tmp_path / "one"
+    assert Simulation(prepare(load_config(None, FEDAVG)), RunDir(run)).run()["status"] == "completed"
+    assert got.qsize() > 0  # a tail there was, and one rank trained it
+    assert (run / "metrics.jsonl").read_bytes() == (base / "metrics.jsonl").read_bytes()
+    a, b = (torch.load(d / "checkpoint.pt", weights_only=True)["server"]["model"] for d in (run, base))
+    assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_a_distributed_run_equals_the_sequential_one_and_repeats_itself_bit_for_bit(tmp_path):

@@ -7,18 +7,25 @@ are workers that live for the whole run and keep the data, the model and the
 algorithm (no process is started per round, nothing is pickled but messages and
 replies). Each round rank 0
 
-1. splits the sampled clients into ``W`` shares balanced by their planned local steps,
+1. sets aside the round's *tail* (:func:`split_tail`): clients that hold no state, with
+   the fewest planned steps, about :data:`TAIL` of the round's steps, where the ranks
+   train one client at a time (``rank_executor=sequential``);
+2. splits the other clients into ``W`` shares balanced by their planned local steps,
    keeping a client on the worker that holds its newest state where the balance
    allows (:func:`assign`);
-2. sends each worker one packet: its clients' messages (a message shared by several
-   clients, the broadcast, travels once per worker) and the states of those of its
-   clients whose newest state it does not hold;
-3. trains its own share, and receives each worker's outcomes (the replies, the loss,
-   the steps) with its clients' next states. Where the server needs no more than the
-   sample-weighted mean of the replies (:attr:`~contrafl.execution.replies.ReplyChecks.
-   sums_replies`), a worker checks its clients' replies as the server would and sends the
-   valid ones as one mean (:mod:`contrafl.execution.partial`): one model's worth of bytes a worker instead of one a
-   client, checked on the workers in parallel.
+3. sends each worker one packet: its clients' messages and the tail's (a message shared
+   by several clients, the broadcast, travels once per worker) and the states of those
+   of its clients whose newest state it does not hold;
+4. trains its own share, then takes the tail's clients one at a time, as every worker
+   does once its share is done (:func:`taken`: a counter in the process group's store),
+   so that the ranks finish together whatever their speed on the day; and receives each
+   worker's outcomes (the replies, the loss, the steps) with its clients' next states.
+   Where the server needs no more than the sample-weighted mean of the replies
+   (:attr:`~contrafl.execution.replies.ReplyChecks.sums_replies`), a worker checks its
+   share's replies as the server would and sends the valid ones as one mean
+   (:mod:`contrafl.execution.partial`), before it takes tail clients: one model's worth
+   of bytes a worker instead of one a client, checked on the workers in parallel. A tail
+   client's reply travels as it is, so the sums do not depend on which rank trained it.
 
 Rank 0 keeps every client's newest state (its store is the one the checkpoints save),
 so a client can train on any rank, its state moving exactly, and a resumed run starts
@@ -26,9 +33,10 @@ its workers empty. A rank trains its share with the executor of ``rank_executor`
 sequential one on a CPU, the vectorized one on a GPU), exactly as
 :meth:`~contrafl.execution.clients.LocalClients.train_locally` trains clients in one
 process (a worker serves its clients with a :class:`~contrafl.execution.clients.
-LocalClients` of its own, never a round loop): for a given world size the run is reproducible bit for bit, and equal to the
-other executors to float tolerance (the ranks' thread counts and the order in which the
-replies arrive differ).
+LocalClients` of its own, never a round loop): for a given world size the run is
+reproducible bit for bit (the shares, and so the sums, are fixed by the plan; the tail's
+replies are summed by the server alone), and equal to the other executors to float
+tolerance (the ranks' thread counts and the order in which the replies arrive differ).
 
 Starting: ``contrafl run executor=distributed workers=W`` forks the ``W - 1`` workers
 itself (on Linux; elsewhere, and on GPUs, it spawns them, and they load the data anew)
@@ -37,8 +45,8 @@ and connects them over 127.0.0.1. Under ``torchrun`` (``RANK`` and
 run, the others :func:`serve` (:func:`launched`). Before round 1 rank 0 checks that
 every worker trains its run (:func:`checked`: the same settings, training data and
 contrafl). The packets travel over Gloo (on GPUs
-too: each rank loads them onto its own device) as ``torch.save`` pickles: every rank
-must be the user's own process (torch.distributed's own trust model).
+too: each rank loads them onto its own device) as pickles (:mod:`~contrafl.execution.
+frames`): every rank must be the user's own process (torch.distributed's own trust model).
 """
 
 from __future__ import annotations
@@ -46,7 +54,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
-import io
 import os
 import re
 import signal
@@ -55,6 +62,7 @@ import sys
 import threading
 import time
 import traceback
+import uuid
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -65,6 +73,7 @@ import torch.multiprocessing as mp
 from ..algorithms.base import Phase
 from ..cores import cores_each
 from ..errors import ContraflError, one_line
+from . import frames
 from .partial import restore, summed
 from .work import RoundWork
 from .same_run import Refused, disagreement, identity
@@ -81,6 +90,11 @@ PATIENCE = datetime.timedelta(days=365)  # a send or receive waits this long for
 BEAT_S = 1.0  # how often a rank adds to its counter in the store, and reads the counters of the ranks it waits for
 SILENCE_S = 120.0  # a rank whose counter has not moved for this long is gone (its process stopped, its machine down)
 SLACK = 0.1  # a client stays on the worker that holds its state while that worker's load stays within 1.1x the mean
+TAIL = 0.25
+"""The part of a round's planned local steps that the ranks take one client at a time
+(:func:`split_tail`). On the peer benchmark's device shape (50 clients of 5-6 steps a
+round, two ranks) the ranks' speed differed from round to round by 8% on average, which
+a static split cannot foresee: a quarter of the steps absorbs it."""
 
 
 class WorkerError(RuntimeError):
@@ -144,6 +158,32 @@ def assign(steps: dict[int, int], holders: dict[int, int], world: int) -> list[l
         shares[rank].append(cid)
         loads[rank] += steps[cid]
     return [sorted(share) for share in shares]
+
+
+def split_tail(steps: dict[int, int], movable: Iterable[int], fraction: float) -> list[int]:
+    """The tail of a round whose clients plan ``steps`` (``{cid: planned steps}``): the
+    clients of ``movable`` (those that hold no state: any rank can train them) with the
+    fewest steps, as many as fit in ``fraction`` of the round's steps, in the order the
+    ranks take them (the longest first, then by client). Every rank computes the same tail."""
+    budget, tail = fraction * sum(steps.values()), []
+    for cid in sorted(movable, key=lambda c: (steps[c], -c)):
+        if steps[cid] > budget:
+            break
+        tail.append(cid)
+        budget -= steps[cid]
+    return tail[::-1]
+
+
+def taken(store: dist.Store, key: str, tail: list[int]) -> Iterator[int]:
+    """The clients of ``tail`` this rank trains: each time the next one that no rank has
+    taken (``key``: the round's counter in the process group's ``store``), until none is left."""
+    while (i := store.add(key, 1) - 1) < len(tail):
+        yield tail[i]
+
+
+def tail_key(run: str, t: int) -> str:
+    """The process group store's counter of the tail clients taken in round ``t`` of the run ``run``."""
+    return f"contrafl/tail/{run}/{t}"
 
 
 # -- the process group: joining, leaving, and knowing the others alive ------------------
@@ -257,13 +297,11 @@ def _post(op: Callable[[torch.Tensor, int], Any], tensor: torch.Tensor, peer: in
 
 
 def send(obj: Any, peer: int) -> None:
-    """Send ``obj`` to rank ``peer``: its size, then its bytes (``torch.save``: a tensor
-    shared by several clients' messages travels once). A stop request waits until the
-    message is sent whole: one cut after its size would leave the peer reading the next
-    message as this one's bytes."""
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    data = torch.frombuffer(buffer.getbuffer(), dtype=torch.uint8)
+    """Send ``obj`` to rank ``peer``: its size, then its bytes (a :mod:`~contrafl.execution.
+    frames` frame: a tensor shared by several clients' messages travels once). A stop
+    request waits until the message is sent whole: one cut after its size would leave the
+    peer reading the next message as this one's bytes."""
+    data = frames.encode(obj)
     _wait(_post(dist.isend, torch.tensor([data.numel()], dtype=torch.int64), peer), peer, stoppable=False)
     _wait(_post(dist.isend, data, peer), peer, stoppable=False)
 
@@ -278,7 +316,7 @@ def receive(
     _wait(_post(dist.irecv, size, peer), peer, waiting, stoppable)
     data = torch.empty(int(size), dtype=torch.uint8)
     _wait(_post(dist.irecv, data, peer), peer, stoppable=False)
-    return torch.load(io.BytesIO(data.numpy().tobytes()), map_location=device, weights_only=False)
+    return frames.decode(data, device)
 
 
 # -- the workers' local steps, for rank 0's progress ---------------------------------
@@ -354,6 +392,7 @@ class DistributedTransport:
         self.pending: set[int] = set()  # the workers that are not waiting for a packet: training, or not yet checked
         self.threads = torch.get_num_threads()  # this process's, outside its training and at the end
         self.rank_threads = rank_threads or self.threads  # while its share trains and the workers train theirs
+        self.run_id = uuid.uuid4().hex[:12]  # names this run's tail counters in the store (tail_key)
 
     def train(
         self, t: int, cids: list[int], message_for: Callable[[int], dict[str, Any]], phases: list[Phase]
@@ -394,18 +433,27 @@ class DistributedTransport:
         work = sim.round_work
         messages = {cid: message_for(cid) for cid in cids}
         planned = {cid: sim.planned_steps(cid, phases) for cid in cids}
-        shares = assign(planned, self.placement, self.world)
+        tail: list[int] = []
+        if self.store is not None and self.world > 1 and sim.local_executor == "sequential":
+            tail = split_tail(planned, [cid for cid in cids if cid not in sim.store], TAIL)
+        shares = assign({cid: n for cid, n in planned.items() if cid not in tail}, self.placement, self.world)
+        key = tail_key(self.run_id, t)
         workers = None
         if work is not None and self.store is not None:  # the round's steps, the workers' counted in the store
             work.steps, work.remote = sum(planned.values()), (workers := WorkerSteps(self.store, t))
         for rank, share in enumerate(shares[1:], start=1):
             states = {cid: sim.store.get(cid) for cid in share if self.copies.get(cid) != rank}
-            send({"t": t, "messages": {cid: messages[cid] for cid in share}, "states": states}, rank)
+            packet = {"t": t, "messages": {cid: messages[cid] for cid in share + tail}, "states": states}
+            send(packet | ({"tail": tail, "tail_key": key} if tail else {}), rank)
             self.pending.add(rank)
         for cid in shares[0]:  # trained here: the workers' copies grow old
             self.placement.pop(cid, None)
             self.copies.pop(cid, None)
         yield from sim.train_locally(t, shares[0], messages.__getitem__, phases, work)
+        if tail:
+            for cid in taken(self.store, key, tail):  # type: ignore[arg-type]
+                self.copies.pop(cid, None)
+                yield from sim.train_locally(t, [cid], messages.__getitem__, phases, work)
         progress = sim.progress
 
         def waiting() -> None:
@@ -425,7 +473,9 @@ class DistributedTransport:
             for outcome, state in outcomes:
                 if state is not None:
                     sim.store.put(outcome.cid, state)
-                    self.placement[outcome.cid] = self.copies[outcome.cid] = rank
+                    self.copies[outcome.cid] = rank
+                    if outcome.cid not in tail:  # where the tail's clients trained is luck: the shares must not follow it
+                        self.placement[outcome.cid] = rank
                 yield dataclasses.replace(outcome, reply=restore(outcome.reply, mean)) if outcome.checked else outcome
 
     def evaluate(self, t: int, cids: list[int], message_for: Callable[[int], dict[str, Any]]) -> Iterator[tuple[int, Scores | None]]:
@@ -743,21 +793,33 @@ def _tell_rank_0(answer: Any, exc: BaseException) -> None:
 
 
 def _answer(sim: LocalClients, store: dist.Store, packet: dict[str, Any]) -> tuple[list[tuple[ClientOutcome, Any]], list[torch.Tensor]]:
-    """A worker's answer to ``packet``: its clients trained with the states it brings
-    (the local steps counted in ``store`` for rank 0's progress), their outcomes with
-    their next states, and the mean of their valid replies where the server sums them
-    (:func:`summed_outcomes`)."""
-    from .outcomes import as_floats
-
-    t, messages = packet["t"], packet["messages"]
+    """A worker's answer to ``packet``: its share's clients trained with the states it
+    brings (the local steps counted in ``store`` for rank 0's progress), then the tail
+    clients it takes (:func:`taken`); their outcomes with their next states, and the
+    mean of the share's valid replies where the server sums them (:func:`summed_outcomes`,
+    taken before the tail: the tail's replies travel one by one)."""
+    t, messages, tail = packet["t"], packet["messages"], packet.get("tail", [])
     for cid, state in packet["states"].items():
         if state is not None:
             sim.store.put(cid, state)
     work, sim.progress = RoundWork(t + 1, len(messages)), (report := StepsReport(store, t))
-    trained = list(sim.train_locally(t, list(messages), messages.__getitem__, sim.algorithm.phases(t), work))
-    scalars = as_floats([(o.loss, o.parts) for o in trained])  # read with one transfer
-    outcomes = [dataclasses.replace(o, loss=loss, parts=parts) for o, (loss, parts) in zip(trained, scalars)]
+    phases = sim.algorithm.phases(t)
+    share = [cid for cid in messages if cid not in tail]
+    outcomes = _read(list(sim.train_locally(t, share, messages.__getitem__, phases, work)))
     report.flush(work)
     stop_point()  # a stop requested while the clients trained: the answer is the stop
     outcomes, mean = summed_outcomes(sim, outcomes, messages) if sim.sums_replies else (outcomes, [])
+    if tail:
+        for cid in taken(store, packet["tail_key"], tail):
+            outcomes += _read(list(sim.train_locally(t, [cid], messages.__getitem__, phases, work)))
+        report.flush(work)
+        stop_point()
     return [(outcome, sim.store.get(outcome.cid)) for outcome in outcomes], mean
+
+
+def _read(trained: list[ClientOutcome]) -> list[ClientOutcome]:
+    """``trained`` with their losses read as floats (with one transfer from a GPU)."""
+    from .outcomes import as_floats
+
+    scalars = as_floats([(o.loss, o.parts) for o in trained])
+    return [dataclasses.replace(o, loss=loss, parts=parts) for o, (loss, parts) in zip(trained, scalars)]
