@@ -17,7 +17,8 @@ replies). Each round rank 0
    by several clients, the broadcast, travels once per worker) and the states of those
    of its clients whose newest state it does not hold;
 4. trains its own share, then takes the tail's clients one at a time, as every worker
-   does once its share is done (:func:`taken`: a counter in the process group's store),
+   does once its share is done (:func:`taken`: a counter in shared memory, or in the
+   process group's store for ranks that ``torchrun`` started),
    so that the ranks finish together whatever their speed on the day; and receives each
    worker's outcomes (the replies, the loss, the steps) with its clients' next states.
    Where the server needs no more than the sample-weighted mean of the replies
@@ -93,8 +94,9 @@ SLACK = 0.1  # a client stays on the worker that holds its state while that work
 TAIL = 0.25
 """The part of a round's planned local steps that the ranks take one client at a time
 (:func:`split_tail`). On the peer benchmark's device shape (50 clients of 5-6 steps a
-round, two ranks) the ranks' speed differed from round to round by 8% on average, which
-a static split cannot foresee: a quarter of the steps absorbs it."""
+round, two ranks) the ranks' training times differed by about a tenth of a round on
+average, in either direction, which a split made in advance cannot foresee: a quarter
+of the steps absorbs it."""
 
 
 class WorkerError(RuntimeError):
@@ -174,11 +176,30 @@ def split_tail(steps: dict[int, int], movable: Iterable[int], fraction: float) -
     return tail[::-1]
 
 
-def taken(store: dist.Store, key: str, tail: list[int]) -> Iterator[int]:
+def taken(claim: Callable[[], int], tail: list[int]) -> Iterator[int]:
     """The clients of ``tail`` this rank trains: each time the next one that no rank has
-    taken (``key``: the round's counter in the process group's ``store``), until none is left."""
-    while (i := store.add(key, 1) - 1) < len(tail):
+    taken (``claim()``: the next index of the round's counter, :func:`shared_claims` or
+    :func:`store_claims`), until none is left."""
+    while (i := claim()) < len(tail):
         yield tail[i]
+
+
+def shared_claims(counter: Any) -> Callable[[], int]:
+    """Claims on a counter in shared memory (a ``multiprocessing.Value`` that the ranks
+    started on this machine inherit): no thread of another rank has to wake up to
+    answer, as the store's server must while both cores train."""
+
+    def claim() -> int:
+        with counter.get_lock():
+            counter.value += 1
+            return counter.value - 1
+
+    return claim
+
+
+def store_claims(store: dist.Store, key: str) -> Callable[[], int]:
+    """Claims on the counter ``key`` of the process group's ``store`` (ranks on several machines)."""
+    return lambda: store.add(key, 1) - 1
 
 
 def tail_key(run: str, t: int) -> str:
@@ -393,6 +414,7 @@ class DistributedTransport:
         self.threads = torch.get_num_threads()  # this process's, outside its training and at the end
         self.rank_threads = rank_threads or self.threads  # while its share trains and the workers train theirs
         self.run_id = uuid.uuid4().hex[:12]  # names this run's tail counters in the store (tail_key)
+        self.counter: Any = None  # the tail's counter in shared memory, where this process started the workers
 
     def train(
         self, t: int, cids: list[int], message_for: Callable[[int], dict[str, Any]], phases: list[Phase]
@@ -438,6 +460,8 @@ class DistributedTransport:
             tail = split_tail(planned, [cid for cid in cids if cid not in sim.store], TAIL)
         shares = assign({cid: n for cid, n in planned.items() if cid not in tail}, self.placement, self.world)
         key = tail_key(self.run_id, t)
+        if self.counter is not None:
+            self.counter.value = 0  # every rank is idle: their last claims were made before they answered
         workers = None
         if work is not None and self.store is not None:  # the round's steps, the workers' counted in the store
             work.steps, work.remote = sum(planned.values()), (workers := WorkerSteps(self.store, t))
@@ -451,7 +475,8 @@ class DistributedTransport:
             self.copies.pop(cid, None)
         yield from sim.train_locally(t, shares[0], messages.__getitem__, phases, work)
         if tail:
-            for cid in taken(self.store, key, tail):  # type: ignore[arg-type]
+            claim = shared_claims(self.counter) if self.counter is not None else store_claims(self.store, key)  # type: ignore[arg-type]
+            for cid in taken(claim, tail):
                 self.copies.pop(cid, None)
                 yield from sim.train_locally(t, [cid], messages.__getitem__, phases, work)
         progress = sim.progress
@@ -538,8 +563,10 @@ def start(
         ctx, target, what = mp.get_context("fork"), _worker, forked
     else:  # CUDA cannot be used in a forked process (nor fork elsewhere): the workers load the data anew
         ctx, target, what = mp.get_context("spawn"), _worker, spawned
+    transport.counter = ctx.Value("q", 0)
     transport.workers = [
-        ctx.Process(target=target, args=(what, store.port, rank, world), daemon=True) for rank in range(1, world)
+        ctx.Process(target=target, args=(what, store.port, rank, world, transport.counter), daemon=True)
+        for rank in range(1, world)
     ]
     for p in transport.workers:
         p.start()
@@ -705,7 +732,7 @@ def summed_outcomes(
     return [by_cid.get(o.cid, o) for o in outcomes], mean
 
 
-def _worker(clients: Callable[[], LocalClients], port: int, rank: int, world: int) -> None:
+def _worker(clients: Callable[[], LocalClients], port: int, rank: int, world: int, counter: Any = None) -> None:
     """A worker that ``contrafl run`` started (forked, or spawned where it cannot fork,
     :func:`can_fork`): its rank of the process group on 127.0.0.1, then :func:`serve`
     with the clients ``clients()`` makes (before it joins: a spawned worker that cannot
@@ -717,7 +744,7 @@ def _worker(clients: Callable[[], LocalClients], port: int, rank: int, world: in
     store.set(joined_key(rank), "1")
     _join(rank, world, store)
     try:
-        serve(served, store)
+        serve(served, store, counter)
     except Refused:  # rank 0 reports it
         pass
 
@@ -730,14 +757,15 @@ def serve_launched(clients: Callable[[], LocalClients], rank: int, world: int) -
     serve(clients(), dist.distributed_c10d._get_default_store())
 
 
-def serve(sim: LocalClients, store: dist.Store) -> None:
+def serve(sim: LocalClients, store: dist.Store, counter: Any = None) -> None:
     """A worker's life: send rank 0 this process's :func:`~contrafl.execution.same_run.
     identity` (raising :class:`~contrafl.execution.same_run.Refused` where rank 0 refuses
     it), then train the clients of each packet rank 0 sends, with the states
     it sends, counting the local steps in the process group's ``store`` for rank 0's
     progress (:class:`StepsReport`), and answer with their outcomes and next states,
     until a stop packet (or the loss of rank 0, which raises). ``sim`` has no run
-    directory: nothing of the run is written here.
+    directory: nothing of the run is written here. ``counter``: the tail's counter in shared
+    memory where rank 0 started this worker (:func:`shared_claims`), else the store's is used.
 
     A worker speaks only when rank 0 listens: its identity, then one answer to each
     packet (a send waits for the peer's receive, so a word of its own while rank 0
@@ -757,7 +785,7 @@ def serve(sim: LocalClients, store: dist.Store) -> None:
                     if isinstance(packet, Refused):
                         raise packet
                     stop_point()
-                    send(_answer(sim, store, packet), 0)
+                    send(_answer(sim, store, packet, counter), 0)
                     answer_due = False
             except Refused:  # rank 0 has ended the run with this error
                 raise
@@ -792,7 +820,7 @@ def _tell_rank_0(answer: Any, exc: BaseException) -> None:
         raise exc from None
 
 
-def _answer(sim: LocalClients, store: dist.Store, packet: dict[str, Any]) -> tuple[list[tuple[ClientOutcome, Any]], list[torch.Tensor]]:
+def _answer(sim: LocalClients, store: dist.Store, packet: dict[str, Any], counter: Any = None) -> tuple[list[tuple[ClientOutcome, Any]], list[torch.Tensor]]:
     """A worker's answer to ``packet``: its share's clients trained with the states it
     brings (the local steps counted in ``store`` for rank 0's progress), then the tail
     clients it takes (:func:`taken`); their outcomes with their next states, and the
@@ -810,7 +838,8 @@ def _answer(sim: LocalClients, store: dist.Store, packet: dict[str, Any]) -> tup
     stop_point()  # a stop requested while the clients trained: the answer is the stop
     outcomes, mean = summed_outcomes(sim, outcomes, messages) if sim.sums_replies else (outcomes, [])
     if tail:
-        for cid in taken(store, packet["tail_key"], tail):
+        claim = shared_claims(counter) if counter is not None else store_claims(store, packet["tail_key"])
+        for cid in taken(claim, tail):
             outcomes += _read(list(sim.train_locally(t, [cid], messages.__getitem__, phases, work)))
         report.flush(work)
         stop_point()
