@@ -260,6 +260,21 @@ def test_killed_in_the_middle_of_a_round_resumes_to_the_same_bytes(tmp_path):
     assert not processes_naming(str(run))  # the killed rank 0's forked workers died with it
 
 
+def test_killed_while_the_ranks_take_the_tail_resumes_to_the_same_bytes(tmp_path):
+    """FedAvg's clients hold no state, so every round has a tail. Rank 0 killed (SIGKILL)
+    after five of round 3's eight outcomes, in its share or the tail: the resumed run
+    ends byte-identical to the uninterrupted one (which rank trained a tail client is
+    recorded nowhere, and needs not be)."""
+    settings = [*FEDAVG, "rounds=4"]
+    assert main(["run", "--quiet", "--out", str(tmp_path / "clean"), *settings]) == 0
+    run = tmp_path / "run"
+    _killed_run(run, "outcome", 2 * (1 + 8) + 1 + 5, settings)
+    assert json.loads((run / "summary.json").read_text())["rounds_completed"] == 2
+    assert main(["run", "--quiet", "--resume", str(run)]) == 0
+    assert (run / "metrics.jsonl").read_bytes() == (tmp_path / "clean" / "metrics.jsonl").read_bytes()
+    assert not processes_naming(str(run))
+
+
 def on_the_workers(monkeypatch, t: int, act) -> None:
     """``act()`` in each forked worker as it is given round ``t``'s clients (``t``
     counted from 0), before they train: the workers inherit the patch."""
