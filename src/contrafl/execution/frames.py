@@ -1,4 +1,5 @@
-"""A message between the distributed executor's ranks as one uint8 tensor, and back.
+"""A message between contrafl's processes as one uint8 tensor, and back: the distributed
+executor's packets and answers, the parallel executor's results.
 
 A frame is ``[pickle's length: 8 bytes][the pickle][padding][the tensors' bytes]``: the
 object pickled with every dense tensor replaced by a reference (its offset, dtype, shape,
