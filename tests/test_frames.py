@@ -24,6 +24,7 @@ def test_a_frame_brings_back_what_was_sent():
         "scalar": torch.tensor(3.5),
         "strided": torch.arange(10.0)[::2],
         "half": torch.randn(3).bfloat16(),
+        "conj": torch.randn(3, dtype=torch.complex64).conj(),
         "sparse": torch.eye(3).to_sparse(),
         "outcome": ClientOutcome(7, Reply(7, 5, {"w": torch.ones(2)}), 0.25, 3),
         "error": ValueError("a worker's error"),
@@ -34,7 +35,7 @@ def test_a_frame_brings_back_what_was_sent():
     shared = got["messages"][0]["w"]
     assert shared is got["messages"][1]["w"] is got["messages"][2]["w"] and torch.equal(shared, broadcast["w"])
     assert isinstance(got["param"], torch.nn.Parameter) and got["grad"].requires_grad and not got["empty"].requires_grad
-    for key in ["flags", "empty", "scalar", "strided", "half"]:
+    for key in ["flags", "empty", "scalar", "strided", "half", "conj"]:
         assert got[key].dtype == sent[key].dtype and got[key].shape == sent[key].shape and torch.equal(got[key], sent[key]), key
     assert torch.equal(got["sparse"].to_dense(), torch.eye(3))
     assert got["outcome"].cid == 7 and torch.equal(got["outcome"].reply.payload["w"], torch.ones(2))

@@ -66,7 +66,7 @@ class _Pickler(pickle.Pickler):
             return None
         ref = self.refs.get(id(obj))
         if ref is None:
-            data = obj.detach()
+            data = obj.detach().resolve_conj().resolve_neg()  # a conjugate view's bytes are not its values
             order = _dense_order(data)
             if order is None:
                 data, order = data.contiguous(), tuple(range(data.dim()))
