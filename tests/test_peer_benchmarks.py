@@ -89,6 +89,8 @@ def test_pfl_research_quick_check_runs_both_programs_on_equal_work(tmp_path):
     assert 0 < floor["rounds_median_s"] < floor["median_s"]  # its steps inside its process
     [ratio] = result["programs"]["contrafl"]["floor_ratios"]
     assert ratio == pytest.approx(result["programs"]["contrafl"]["median_s"] / floor["rounds_median_s"])
+    [whole] = result["programs"]["contrafl"]["floor_process_ratios"]
+    assert whole == pytest.approx(result["programs"]["contrafl"]["median_s"] / floor["median_s"]) and whole < ratio
 
 
 def test_the_round_profiles_unfold_probe_computes_the_convolution(monkeypatch):
