@@ -178,16 +178,21 @@ def split_tail(steps: dict[int, int], movable: Iterable[int], fraction: float) -
 
 def taken(claim: Callable[[], int], tail: list[int]) -> Iterator[int]:
     """The clients of ``tail`` this rank trains: each time the next one that no rank has
-    taken (``claim()``: the next index of the round's counter, :func:`shared_claims` or
-    :func:`store_claims`), until none is left."""
+    taken (``claim()``: the next index of the round's counter, :func:`claims`), until none
+    is left."""
     while (i := claim()) < len(tail):
         yield tail[i]
 
 
-def shared_claims(counter: Any) -> Callable[[], int]:
-    """Claims on a counter in shared memory (a ``multiprocessing.Value`` that the ranks
-    started on this machine inherit): no thread of another rank has to wake up to
-    answer, as the store's server must while both cores train."""
+def claims(counter: Any, store: dist.Store | None, key: str) -> Callable[[], int]:
+    """The claims of a round's tail clients: on ``counter``, in shared memory, where
+    ``contrafl run`` started the ranks on this machine and they inherit it (no thread of
+    another rank has to wake up to answer, as the store's server must while both cores
+    train); else on the counter ``key`` of the process group's ``store`` (ranks that
+    ``torchrun`` started)."""
+    if counter is None:
+        assert store is not None
+        return lambda: store.add(key, 1) - 1
 
     def claim() -> int:
         with counter.get_lock():
@@ -195,11 +200,6 @@ def shared_claims(counter: Any) -> Callable[[], int]:
             return counter.value - 1
 
     return claim
-
-
-def store_claims(store: dist.Store, key: str) -> Callable[[], int]:
-    """Claims on the counter ``key`` of the process group's ``store`` (ranks on several machines)."""
-    return lambda: store.add(key, 1) - 1
 
 
 def tail_key(run: str, t: int) -> str:
@@ -475,8 +475,7 @@ class DistributedTransport:
             self.copies.pop(cid, None)
         yield from sim.train_locally(t, shares[0], messages.__getitem__, phases, work)
         if tail:
-            claim = shared_claims(self.counter) if self.counter is not None else store_claims(self.store, key)  # type: ignore[arg-type]
-            for cid in taken(claim, tail):
+            for cid in taken(claims(self.counter, self.store, key), tail):
                 self.copies.pop(cid, None)
                 yield from sim.train_locally(t, [cid], messages.__getitem__, phases, work)
         progress = sim.progress
@@ -765,7 +764,7 @@ def serve(sim: LocalClients, store: dist.Store, counter: Any = None) -> None:
     progress (:class:`StepsReport`), and answer with their outcomes and next states,
     until a stop packet (or the loss of rank 0, which raises). ``sim`` has no run
     directory: nothing of the run is written here. ``counter``: the tail's counter in shared
-    memory where rank 0 started this worker (:func:`shared_claims`), else the store's is used.
+    memory where rank 0 started this worker, else the store's is used (:func:`claims`).
 
     A worker speaks only when rank 0 listens: its identity, then one answer to each
     packet (a send waits for the peer's receive, so a word of its own while rank 0
@@ -838,8 +837,7 @@ def _answer(sim: LocalClients, store: dist.Store, packet: dict[str, Any], counte
     stop_point()  # a stop requested while the clients trained: the answer is the stop
     outcomes, mean = summed_outcomes(sim, outcomes, messages) if sim.sums_replies else (outcomes, [])
     if tail:
-        claim = shared_claims(counter) if counter is not None else store_claims(store, packet["tail_key"])
-        for cid in taken(claim, tail):
+        for cid in taken(claims(counter, store, packet["tail_key"]), tail):
             outcomes += _read(list(sim.train_locally(t, [cid], messages.__getitem__, phases, work)))
         report.flush(work)
         stop_point()

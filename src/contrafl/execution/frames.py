@@ -20,6 +20,7 @@ Like any pickle, a frame runs code when read: ranks are the user's own processes
 from __future__ import annotations
 
 import io
+import math
 import pickle
 from typing import Any, NamedTuple
 
@@ -106,16 +107,11 @@ class _Unpickler(pickle.Unpickler):
 
     def _read(self, ref: _Ref) -> torch.Tensor:
         stored = [ref.shape[d] for d in ref.order]
-        n = ref.dtype.itemsize
-        for size in stored:
-            n *= size
+        n = ref.dtype.itemsize * math.prod(stored)
         at = self.start + ref.offset
-        if n:
-            data = self.frame[at : at + n].view(ref.dtype).view(stored)
-        else:
-            data = torch.empty(stored, dtype=ref.dtype)
+        data = self.frame[at : at + n].view(ref.dtype).view(stored) if n else torch.empty(stored, dtype=ref.dtype)
         inverse = sorted(range(len(ref.order)), key=ref.order.__getitem__)
-        tensor = data.permute(inverse).clone(memory_format=torch.preserve_format).to(self.device)
+        tensor = data.permute(inverse).to(self.device, copy=True, memory_format=torch.preserve_format)  # one copy, its layout kept
         if ref.parameter:
             return torch.nn.Parameter(tensor, requires_grad=ref.requires_grad)
         return tensor.requires_grad_(ref.requires_grad)
