@@ -111,7 +111,8 @@ class _Unpickler(pickle.Unpickler):
         at = self.start + ref.offset
         data = self.frame[at : at + n].view(ref.dtype).view(stored) if n else torch.empty(stored, dtype=ref.dtype)
         inverse = sorted(range(len(ref.order)), key=ref.order.__getitem__)
-        tensor = data.permute(inverse).to(self.device, copy=True, memory_format=torch.preserve_format)  # one copy, its layout kept
+        data = data.permute(inverse)  # one copy, of its own storage and in its layout: to another device, or a clone here
+        tensor = data.clone(memory_format=torch.preserve_format) if self.device == data.device else data.to(self.device)
         if ref.parameter:
             return torch.nn.Parameter(tensor, requires_grad=ref.requires_grad)
         return tensor.requires_grad_(ref.requires_grad)
