@@ -9,6 +9,7 @@ corrections.
 import copy
 import os
 import signal
+import sys
 
 import numpy as np
 import pytest
@@ -829,3 +830,32 @@ def test_take_rows_is_indexing_in_the_same_layout(layout):
     rows = torch.tensor([7, 0, 39, 7, 12])
     got, want = take_rows(x, rows), x[rows]
     assert torch.equal(got, want) and got.stride() == want.stride() and got.dtype == want.dtype
+
+
+def _stacked_model(seed=0):
+    """A model without BatchNorm: on the CPU the vectorized executor runs it stacked."""
+    torch.manual_seed(seed)
+    return FedModel(nn.Sequential(nn.Linear(6, 16), nn.ReLU()), 16, 3, projection_dim=8)
+
+
+@pytest.mark.parametrize("drop_last", [True, False])
+@pytest.mark.parametrize("case", ["frozen_consts_post_step", "snapshots_two_stages", "adam"])
+def test_the_stacked_forward_reproduces_the_sequential_executor(monkeypatch, case, drop_last):
+    """With a model that has a stacked forward, the vectorized executor on the CPU leaves
+    ``vmap`` for its forward passes (counted) and still gives each client the sequential
+    executor's training: frozen models shared by all and per client, constants, a
+    post-step, two stages, epoch snapshots, Adam, clients of different steps and batches
+    of different sizes."""
+    from contrafl.execution import stacked
+
+    monkeypatch.setattr(sys.modules[__name__], "_model", _stacked_model)
+    calls = []
+    call = stacked.StackedNet.__call__
+    monkeypatch.setattr(stacked.StackedNet, "__call__", lambda self, *a, **k: calls.append(1) or call(self, *a, **k))
+    if case == "frozen_consts_post_step":
+        test_shared_and_per_client_frozen_models_consts_and_post_step(drop_last)
+    elif case == "snapshots_two_stages":
+        test_epoch_snapshots_and_two_stages(drop_last)
+    else:
+        test_adam_with_persisted_state(drop_last)
+    assert calls

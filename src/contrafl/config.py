@@ -187,7 +187,7 @@ class Config:
     )
     rank_executor: str = P.param(
         "auto", P.OneOf(("auto", "sequential", "vectorized")),
-        "executor=distributed: how each rank trains its share of a round's clients, one after the other (sequential) or stacked (vectorized; CUDA graphs on a GPU); auto: vectorized on a GPU where the algorithm allows, else sequential",
+        "executor=distributed: how each rank trains its share of a round's clients, one after the other (sequential) or stacked (vectorized; CUDA graphs on a GPU); auto: vectorized on a GPU where the algorithm allows, and on a CPU where the model has a stacked forward and the clients step together (docs/performance.md), else sequential",
     )
     device: str = P.param("auto", P.OneOf(("auto", "cpu", "cuda")), "where training runs")
     precision: str = P.param(

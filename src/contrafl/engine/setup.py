@@ -32,10 +32,12 @@ from ..models.custom import from_user, vectorizable
 from ..models.build import model_spec as lookup_model
 from ..models.registry import split_options
 from ..models.base import FedModel
+from ..models.stacked import stacked_forward
 from ..rng import derive_seed
 from ..words import count
 from ..execution.context import Setup
 from ..execution.distributed import can_fork, launched
+from ..execution.stacked import STACK_WIDTH, stack_width
 from .sampling import clients_per_round
 from .attacking import Attack, resolve_attack
 from .privacy import MODES, DPParams
@@ -268,8 +270,8 @@ def choose_rank_executor(cfg: Config, executor: str, algo_cls: type[Algorithm], 
     """How each rank of the distributed executor trains its share of a round's clients
     (``rank_executor``; the setting as given for the other executors, which do not read
     it). ``auto``: stacked (the vectorized executor) on a GPU where the algorithm allows,
-    as ``executor=auto`` trains them in one process there; one after the other on a CPU
-    (:func:`choose_executor`)."""
+    as ``executor=auto`` trains them in one process there; one after the other on a CPU,
+    unless :func:`choose_stacking`, which sees the model and the partition, stacks them."""
     if executor != "distributed":
         return cfg.rank_executor
     if cfg.rank_executor == "vectorized" and not algo_cls.vectorizable:
@@ -374,14 +376,15 @@ def choose_executor(cfg: Config, algo_cls: type[Algorithm], device: torch.device
 
     On CUDA: the vectorized executor for algorithms that support it. On a multi-core
     CPU, when a round trains at least two clients (:func:`~contrafl.engine.sampling.
-    clients_per_round`): the distributed executor, each rank training one client at a time
-    (batched per-client convolutions are slower than one client at a time on a CPU, and
-    one client's small operations do not use many cores well). Measured on 2 cores
+    clients_per_round`): the distributed executor, one process a core (one client's
+    small operations do not use many cores well), each rank training its share one client
+    at a time or stacked (:func:`choose_stacking`). Measured on 2 cores
     against the parallel executor, which forks its workers every round: as fast or
     faster on every shape tried, from MOON with ResNet-18 (59.0 against 58.7 s) and the
     silo shape (14.0 against 15.0 s) to pfl-research's device round of 50 clients of 5
     steps (24.2 against 33.4 s) and the digits default (5.6 against 6.8 s;
-    docs/performance.md). Otherwise the sequential executor.
+    docs/performance.md). Otherwise the sequential executor, or the vectorized one where
+    the clients stack (:func:`choose_stacking`).
     """
     can_vectorize = algo_cls.vectorizable
     if cfg.executor == "vectorized" and not can_vectorize:
@@ -428,6 +431,28 @@ def check_vectorizable(requested: Config, cfg: Config, model: FedModel, shape: t
         raise ConfigError(f"{setting}=vectorized cannot train model {cfg.model.name}: torch.func fails on it ({why}); use {setting}=sequential")
     note = f"{setting}=auto: torch.func cannot vectorise model {cfg.model.name} ({why}); training clients one at a time ({setting}=sequential)"
     return dataclasses.replace(cfg, **{setting: "sequential"}), [note]
+
+
+def choose_stacking(requested: Config, cfg: Config, model: FedModel, partition: Partition, algo_cls: type[Algorithm]) -> Config:
+    """``cfg`` with the vectorized executor instead of the sequential one that
+    ``executor=auto`` (or ``rank_executor=auto``) chose on a CPU, where stacking the
+    clients pays: a vectorizable algorithm, a model with a stacked forward
+    (:func:`~contrafl.models.stacked.stacked_forward`: grouped convolutions and batched
+    products) and clients that take their steps together, at least
+    :data:`~contrafl.execution.stacked.STACK_WIDTH` of them a stacked step on average
+    (:func:`~contrafl.execution.stacked.stack_width` over the partition, as many at a
+    time as a process trains a round)."""
+    setting = "rank_executor" if cfg.executor == "distributed" else "executor"
+    if (
+        getattr(requested, setting) != "auto" or getattr(cfg, setting) != "sequential" or cfg.device != "cpu"
+        or not algo_cls.vectorizable or stacked_forward(model) is None
+    ):
+        return cfg
+    per_process = -(-clients_per_round(cfg.num_clients, cfg.sample_fraction) // (cfg.workers if setting == "rank_executor" else 1))
+    sizes = [len(rows) for rows in partition.train]
+    if stack_width(sizes, per_process, cfg.batch_size, cfg.local_epochs, cfg.drop_last) < STACK_WIDTH:
+        return cfg
+    return dataclasses.replace(cfg, **{setting: "vectorized"})
 
 
 def prepare(cfg: Config, partition: Partition | None = None) -> Setup:
@@ -522,6 +547,7 @@ def build(requested: Config, cfg: Config, data: FederatedDataset, partition: Par
     model_factory = functools.partial(init_model, cfg, data, algo_cls, algo_params)
     model = model_factory(derive_seed(cfg.seed, "global-init"))
     cfg, notes = check_vectorizable(requested, cfg, model, shape)
+    cfg = choose_stacking(requested, cfg, model, partition, algo_cls)
     federation = Federation(
         num_clients=cfg.num_clients,
         num_classes=data.num_classes,

@@ -26,6 +26,7 @@ from ..cores import cores_each, cpu_cores
 from ..data.augment import Transform, Views, view_transform
 from ..metrics.evaluate import evaluate
 from ..models.base import ModelOutput
+from ..models.stacked import stacked_forward
 from ..rng import derive_seed, generator
 from ..speeds import client_speeds, round_speed, step_budget
 from .context import Context, LocalPrivacy, Setup, Store, Watcher
@@ -161,7 +162,7 @@ class LocalClients(ReplyChecks):
 
         A deterministic single-view pipeline (no random op, e.g. ``augment=none``'s
         normalisation) on the CPU, for an executor that trains clients step by step (not
-        the vectorized one), is applied here, once, to the whole training set, in
+        the vectorized one, unless the model has a stacked forward), is applied here, once, to the whole training set, in
         the model's layout (:meth:`FunctionalNet.layout`), when the result takes at most
         :data:`READY_INPUTS_BYTES`; the steps then only gather rows (MOON's CNN, batch
         10: the per-step conversion and layout were 8% of a step). The values are the
@@ -169,7 +170,9 @@ class LocalClients(ReplyChecks):
         float32's memory) and the run's pipeline."""
         x, transform = self.train.x, self.setup.train_transform
         deterministic = isinstance(transform, Transform) and not any(op.keys for op in transform.ops)
-        steps = self.local_executor != "vectorized"  # whose vmap takes its [K, B] batches as they come (NCHW)
+        # the vectorized executor's vmap takes its [K, B] batches as they come (NCHW), but
+        # for a stacked forward (a CPU), which lays them out itself
+        steps = self.local_executor != "vectorized" or stacked_forward(self.setup.model) is not None
         if not (deterministic and steps and self.algorithm.views == 1 and self.device.type == "cpu" and len(x)):
             return x, transform
         head = self.net.layout(transform(x[:2]))  # two samples: the layout's strides, which do not depend on the count

@@ -36,6 +36,12 @@ Random draws inside a step (dropout) are then made for every client, so a model 
 dropout gives other, equally valid numbers than without padding; explicit per-client
 noise (:attr:`Stage.noise`) is drawn for the active clients only, as without it.
 
+On a CPU, for a model with a stacked forward (:mod:`contrafl.models.stacked`: grouped
+convolutions in channels-last and batched products, where ``vmap``'s batching rules
+move the clients' dimension through copies and strided kernels), the forward passes
+leave ``vmap`` (:class:`~contrafl.execution.stacked.StackedNet`) and the gradient is
+taken by ordinary autograd outside it (:func:`~contrafl.execution.stacked.stacked_grad_and_value`).
+
 Clients are trained in chunks that fit ``memory_bytes``; the per-client memory is
 measured on the first client by counting the tensors autograd saves for one step.
 
@@ -72,6 +78,8 @@ from .executor import (
     used_parameters,
 )
 from .plan import ClientPlan
+from .stacked import StackedNet, stacked_grad_and_value
+from ..models.stacked import stacked_forward
 from ..rng import seed_global
 
 
@@ -425,26 +433,42 @@ class VectorizedExecutor:
         key = (id(stage.loss), repr(frozen_dims), repr(consts_dims), tuple(other_roles))
         if key not in self._grad_fns:
             net = self.workload.net.for_vmap()
+            in_dims = (0, 0, 0, frozen_dims, consts_dims, 0, 0, 0)
 
-            def loss(train_p, other_p, buffers, frozen, consts, x, y, noise):
+            def loss(train_p, other_p, buffers, frozen, consts, x, y, noise, net=net):
                 view = TaskView({**other_p, **train_p}, buffers, frozen, consts)
                 return stage.loss(view, Batch(x, y, noise), net)
 
-            self._grad_fns[key] = vmap(
-                grad_and_value(loss, argnums=0, has_aux=True),
-                in_dims=(0, 0, 0, frozen_dims, consts_dims, 0, 0, 0),
-                randomness="different",
-            )
+            stacked = self._stacked_net()
+            if stacked is not None:
+                self._grad_fns[key] = stacked_grad_and_value(loss, in_dims, stacked)
+            else:
+                self._grad_fns[key] = vmap(
+                    grad_and_value(loss, argnums=0, has_aux=True), in_dims=in_dims, randomness="different"
+                )
         return self._grad_fns[key]
+
+    def _stacked_net(self) -> Callable[[int], StackedNet] | None:
+        """On a CPU, for a model with a stacked forward (:mod:`contrafl.models.stacked`):
+        ``level -> StackedNet`` for the losses run under ``vmap`` at that level; else
+        ``None`` (the forward goes through ``vmap``'s batching rules)."""
+        w = self.workload
+        forward = stacked_forward(w.net.train_model) if w.x.device.type == "cpu" else None
+        if forward is None:
+            return None
+        batched = w.net.for_vmap()
+        return lambda level: StackedNet(forward, batched, w.net, level, w.x.dim() - 1)
 
     def _update_fn(self, fn: Callable, frozen_dims: Any, consts_dims: Any) -> Callable:
         """``fn`` (a stage's ``pre_step`` or ``post_step``) vectorised over clients."""
         key = ("update", id(fn), repr(frozen_dims), repr(consts_dims))
         if key not in self._grad_fns:
             net = self.workload.net.for_vmap()
+            stacked = self._stacked_net()
 
             def update(params, buffers, frozen, consts, x, y, noise):
-                return fn(TaskView(params, buffers, frozen, consts), Batch(x, y, noise), net)
+                level = torch._C._functorch.maybe_current_level()
+                return fn(TaskView(params, buffers, frozen, consts), Batch(x, y, noise), net if stacked is None else stacked(level))
 
             self._grad_fns[key] = vmap(
                 update, in_dims=(0, 0, frozen_dims, consts_dims, 0, 0, 0), randomness="different"

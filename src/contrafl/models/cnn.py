@@ -18,6 +18,7 @@ from .. import params as P
 from ..errors import ConfigError
 from .layers import max_pool2x2
 from .registry import MODELS, ModelSpec
+from . import stacked
 
 KERNEL = 5
 
@@ -76,6 +77,20 @@ class FedAvgCNN(nn.Module):
         x = F.relu(max_pool2x2(self.conv1(x)))
         x = F.relu(max_pool2x2(self.conv2(x)))
         return F.relu(self.fc1(x.flatten(1)))
+
+
+def stacked_cnn(encoder: nn.Module, state: stacked.State, x: torch.Tensor) -> torch.Tensor:
+    """``SimpleCNNHeader`` or ``FedAvgCNN`` of K clients at once (:mod:`.stacked`):
+    ``x [K, B, C, H, W]`` to ``[K, B, d]``."""
+    K = x.shape[0]
+    h = stacked.pool_relu(stacked.conv(stacked.images(x), state, "conv1", encoder.conv1, K))
+    h = stacked.flatten(stacked.pool_relu(stacked.conv(h, state, "conv2", encoder.conv2, K)), K)
+    h = F.relu(stacked.linear(h, state, "fc1"))
+    return F.relu(stacked.linear(h, state, "fc2")) if isinstance(encoder, SimpleCNNHeader) else h
+
+
+stacked.register(SimpleCNNHeader, stacked_cnn)
+stacked.register(FedAvgCNN, stacked_cnn)
 
 
 @dataclass(frozen=True)
