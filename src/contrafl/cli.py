@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from . import __version__
+from .allocator import keep_freed_memory
 from . import params as P
 from .config import COMPONENTS, SETTINGS, Config, load_config, parse_overrides
 from .files import check_output
@@ -1132,6 +1133,7 @@ def whole_lines(stream: object) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     whole_lines(sys.stderr)
+    keep_freed_memory()
     parser = build_parser()
     ns = parse_args(parser, argv)
     try:

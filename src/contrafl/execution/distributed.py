@@ -72,6 +72,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ..algorithms.base import Phase
+from ..allocator import keep_freed_memory
 from ..cores import cores_each
 from ..errors import ContraflError, one_line
 from . import frames
@@ -737,6 +738,7 @@ def _worker(clients: Callable[[], LocalClients], port: int, rank: int, world: in
     with the clients ``clients()`` makes (before it joins: a spawned worker that cannot
     load the run's data ends before rank 0 waits for it, :func:`await_worker`)."""
     detach_from_signals()
+    keep_freed_memory()  # a spawned worker's own allocator (a forked one has rank 0's settings)
     torch.set_num_threads(cores_each(world))
     served = clients()
     store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=TIMEOUT)

@@ -1,0 +1,51 @@
+"""glibc's allocator keeps the memory a training process frees (contrafl.allocator)."""
+
+import subprocess
+import sys
+
+import pytest
+
+EVALUATIONS = r"""
+import resource, sys, torch
+from contrafl.allocator import keep_freed_memory
+from contrafl.execution.executor import FunctionalNet
+from contrafl.models.build import build_model
+
+if sys.argv[1] == "keep":
+    assert keep_freed_memory()
+torch.set_num_threads(1)
+model = build_model("moon_cnn", (3, 32, 32), 10)
+net, state, x = FunctionalNet(model), dict(model.state_dict()), torch.randn(1000, 3, 32, 32)
+with torch.no_grad():
+    for _ in range(8):
+        net(state, x.clone(), train=False)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(4):
+        net(state, x.clone(), train=False)
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+def test_repeated_evaluations_reuse_the_memory_they_free():
+    """The evaluation of 1,000 CIFAR-10-sized images, repeated: with glibc's defaults its
+    large activations come from fresh pages every pass (page faults, tens of thousands a
+    pass); after ``keep_freed_memory()`` (what ``contrafl`` does first) from memory the
+    process freed, almost without page faults."""
+    faults = {
+        mode: int(subprocess.run([sys.executable, "-c", EVALUATIONS, mode], capture_output=True, text=True, check=True).stdout)
+        for mode in ("glibc", "keep")
+    }
+    assert faults["glibc"] > 20_000
+    assert faults["keep"] * 10 < faults["glibc"]
+
+
+def test_the_command_line_sets_the_allocator_first(monkeypatch, capsys):
+    """Every ``contrafl`` command asks for it before anything else (a forked worker
+    inherits it)."""
+    from contrafl import cli
+
+    calls = []
+    monkeypatch.setattr(cli, "keep_freed_memory", lambda: calls.append(1) or True)
+    assert cli.main(["list", "algorithms"]) == 0
+    assert calls == [1]
