@@ -15,8 +15,9 @@ programs train them. Here ``processes`` processes of one thread each (as pfl und
 ``torchrun`` and contrafl's ranks run) each train every ``processes``-th batch, in NCHW
 (pfl's layout) and channels-last (contrafl's on the CPU), on random data held in memory:
 no data loading, no aggregation, no evaluation, no start-up. The wall time of the
-slowest process is the floor: a program that runs the same steps with PyTorch's CPU
-kernels cannot finish its training faster. ``--full-batches-only`` leaves the partial
+slowest process is the floor: a program that runs the same steps one client at a time
+with PyTorch's CPU kernels cannot finish its training faster (stacked clients can:
+contrafl's on the device shape, docs/performance.md). ``--full-batches-only`` leaves the partial
 batches out (the floor as issues #36 and #57 first measured it; for seed 0 the partial
 batches are 4,226 of the device shape's 29,226 steps and 500 of the silo shape's 4,300).
 """

@@ -162,8 +162,9 @@ class LocalClients(ReplyChecks):
 
         A deterministic single-view pipeline (no random op, e.g. ``augment=none``'s
         normalisation) on the CPU, for an executor that trains clients step by step (not
-        the vectorized one, unless the model has a stacked forward), is applied here, once, to the whole training set, in
-        the model's layout (:meth:`FunctionalNet.layout`), when the result takes at most
+        the vectorized one, unless the model has a stacked forward), is applied here,
+        once, to the whole training set, in the model's layout
+        (:meth:`FunctionalNet.layout`), when the result takes at most
         :data:`READY_INPUTS_BYTES`; the steps then only gather rows (MOON's CNN, batch
         10: the per-step conversion and layout were 8% of a step). The values are the
         same, elementwise. Otherwise the stored samples (``uint8`` images: a quarter of

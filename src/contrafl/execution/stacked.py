@@ -31,14 +31,15 @@ from .plan import epoch_batch_sizes
 
 
 class StackedNet:
-    """``net(state, x, train=...)`` of a loss run under ``vmap`` at ``level`` (see the
-    module's doc) on batches of samples of ``sample_dims`` dimensions. ``batched`` is the
-    run's :class:`FunctionalNet` for calls that stay in ``vmap``, ``plain`` the same
-    network outside any transform."""
+    """``net(state, x, train=...)`` for a loss run under ``vmap`` (see the module's doc),
+    made where the loss runs: it stacks the clients of the ``vmap`` level it is made at,
+    whose batches hold samples of ``sample_dims`` dimensions. ``batched`` is the run's
+    :class:`FunctionalNet` for calls that stay in ``vmap``, ``plain`` the same network
+    outside any transform."""
 
-    def __init__(self, forward: StackedForward, batched: Callable, plain: Callable, level: int, sample_dims: int) -> None:
-        self.forward, self.batched, self.plain, self.level = forward, batched, plain, level
-        self.sample_dims = sample_dims
+    def __init__(self, forward: StackedForward, batched: Callable, plain: Callable, sample_dims: int) -> None:
+        self.forward, self.batched, self.plain, self.sample_dims = forward, batched, plain, sample_dims
+        self.level = functorch.maybe_current_level()
 
     def __call__(self, state: Mapping[str, torch.Tensor], x: torch.Tensor, *, train: bool) -> ModelOutput:
         if functorch.maybe_current_level() != self.level:
@@ -62,14 +63,14 @@ def _batched(out: ModelOutput, level: int, shape: Callable[[torch.Tensor], torch
     return pytree.tree_map(lambda t: functorch._add_batch_dim(shape(t), 0, level) if isinstance(t, torch.Tensor) else t, out)
 
 
-def stacked_grad_and_value(loss: Callable[..., tuple[torch.Tensor, Any]], in_dims: tuple, make_net: Callable[[int], StackedNet]) -> Callable:
+def stacked_grad_and_value(loss: Callable[..., tuple[torch.Tensor, Any]], in_dims: tuple, make_net: Callable[[], StackedNet]) -> Callable:
     """What ``vmap(grad_and_value(loss, argnums=0, has_aux=True), in_dims)`` computes,
     with the forward of :class:`StackedNet`: ``fn(params, *rest) -> (grads, (values,
-    aux))``. ``loss(params, *rest, net)`` takes the network last; ``make_net(level)``
-    builds it for the ``vmap`` level the loss runs at."""
+    aux))``. ``loss(params, *rest, net)`` takes the network last, ``make_net()`` under
+    ``vmap``."""
 
     def per_client(*args: Any) -> tuple[torch.Tensor, Any]:
-        return loss(*args, make_net(functorch.maybe_current_level()))
+        return loss(*args, make_net())
 
     losses = vmap(per_client, in_dims=in_dims, randomness="different")
 

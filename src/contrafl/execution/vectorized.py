@@ -448,16 +448,16 @@ class VectorizedExecutor:
                 )
         return self._grad_fns[key]
 
-    def _stacked_net(self) -> Callable[[int], StackedNet] | None:
+    def _stacked_net(self) -> Callable[[], StackedNet] | None:
         """On a CPU, for a model with a stacked forward (:mod:`contrafl.models.stacked`):
-        ``level -> StackedNet`` for the losses run under ``vmap`` at that level; else
-        ``None`` (the forward goes through ``vmap``'s batching rules)."""
+        what makes the :class:`StackedNet` of a loss, under ``vmap``; else ``None`` (the
+        forward goes through ``vmap``'s batching rules)."""
         w = self.workload
         forward = stacked_forward(w.net.train_model) if w.x.device.type == "cpu" else None
         if forward is None:
             return None
         batched = w.net.for_vmap()
-        return lambda level: StackedNet(forward, batched, w.net, level, w.x.dim() - 1)
+        return lambda: StackedNet(forward, batched, w.net, w.x.dim() - 1)
 
     def _update_fn(self, fn: Callable, frozen_dims: Any, consts_dims: Any) -> Callable:
         """``fn`` (a stage's ``pre_step`` or ``post_step``) vectorised over clients."""
@@ -467,8 +467,7 @@ class VectorizedExecutor:
             stacked = self._stacked_net()
 
             def update(params, buffers, frozen, consts, x, y, noise):
-                level = torch._C._functorch.maybe_current_level()
-                return fn(TaskView(params, buffers, frozen, consts), Batch(x, y, noise), net if stacked is None else stacked(level))
+                return fn(TaskView(params, buffers, frozen, consts), Batch(x, y, noise), net if stacked is None else stacked())
 
             self._grad_fns[key] = vmap(
                 update, in_dims=(0, 0, frozen_dims, consts_dims, 0, 0, 0), randomness="different"

@@ -34,7 +34,9 @@ from .base import FedModel, ModelOutput
 from .layers import max_pool2x2
 
 State = Mapping[str, torch.Tensor]
+"""Parameters by name, each ``[K, ...]``: client ``k``'s at index ``k``."""
 StackedForward = Callable[[State, torch.Tensor], ModelOutput]
+"""``(state, x [K, B, ...]) -> ModelOutput`` of ``[K, B, ...]`` tensors (:func:`stacked_forward`)."""
 Encoder = Callable[[nn.Module, State, torch.Tensor], torch.Tensor]
 """``(encoder, state, x [K, B, ...]) -> [K, B, d]``: the stacked forward of one encoder
 type, ``state`` keyed by the encoder's own parameter names."""
