@@ -200,8 +200,10 @@ def test_ranks_that_stack_their_share_equal_the_vectorized_run(tmp_path, monkeyp
 
 
 def test_rank_executor_is_chosen_by_device_and_algorithm():
-    """``rank_executor=auto``: stacked on a GPU, one client after the other on a CPU; a
-    stack for an algorithm that cannot be vectorised is one line."""
+    """``rank_executor=auto``: stacked on a GPU, one client after the other on a CPU
+    (until ``choose_stacking``, which sees the model and the partition:
+    tests/test_stacked.py); a stack for an algorithm that cannot be vectorised is one
+    line."""
     from contrafl.engine.setup import choose_rank_executor
 
     cfg = load_config(None, ["executor=distributed"])
@@ -270,6 +272,23 @@ def test_killed_while_the_ranks_take_the_tail_resumes_to_the_same_bytes(tmp_path
     run = tmp_path / "run"
     _killed_run(run, "outcome", 2 * (1 + 8) + 1 + 5, settings)
     assert json.loads((run / "summary.json").read_text())["rounds_completed"] == 2
+    assert main(["run", "--quiet", "--resume", str(run)]) == 0
+    assert (run / "metrics.jsonl").read_bytes() == (tmp_path / "clean" / "metrics.jsonl").read_bytes()
+    assert not processes_naming(str(run))
+
+
+def test_stacked_ranks_killed_in_a_round_resume_to_the_same_bytes(tmp_path):
+    """Ranks that stack their clients on a CPU (``rank_executor=auto``: MOON's clients,
+    each with its previous model, 10 a rank of 67-68 digits: width 8.75) killed after five of round
+    2's twenty outcomes: the resumed run stacks them again and ends byte-identical to the
+    uninterrupted one."""
+    settings = ["algorithm=moon", "num_clients=20", "partition=iid", "sample_fraction=1", "rounds=3", "local_epochs=1",
+                "batch_size=10", "executor=distributed", "workers=2"]
+    assert main(["run", "--quiet", "--out", str(tmp_path / "clean"), *settings]) == 0
+    assert "rank_executor: vectorized" in (tmp_path / "clean" / "config.yaml").read_text()
+    run = tmp_path / "run"
+    _killed_run(run, "outcome", (1 + 20) + 1 + 5, settings)
+    assert json.loads((run / "summary.json").read_text())["rounds_completed"] == 1
     assert main(["run", "--quiet", "--resume", str(run)]) == 0
     assert (run / "metrics.jsonl").read_bytes() == (tmp_path / "clean" / "metrics.jsonl").read_bytes()
     assert not processes_naming(str(run))

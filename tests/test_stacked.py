@@ -108,7 +108,7 @@ DIGITS = ["dataset=digits", "model=mlp", "algorithm=fedavg", "executor=distribut
 @pytest.mark.parametrize(
     "settings, stacks",
     [
-        (["num_clients=20", "partition=iid"], True),  # 10 clients a rank of 89-90 samples: width 9-10
+        (["num_clients=20", "partition=iid"], True),  # 10 clients a rank of 67-68 samples: width 8.75
         (["num_clients=20", "partition=iid", "rank_executor=sequential"], False),  # as asked
         (["num_clients=20", "partition=iid", "model.dropout=0.5"], False),  # no stacked forward
         (["num_clients=20", "partition=iid", "model.projection_bn=true"], False),
@@ -129,7 +129,7 @@ def test_auto_stacks_clients_on_a_cpu_where_they_step_together(settings, stacks)
 @pytest.mark.parametrize("clients, stacks", [(10, True), (4, False)])
 def test_auto_stacks_the_clients_of_a_single_core(monkeypatch, clients, stacks):
     """``executor=auto`` on one core: the vectorized executor where the round's clients
-    step together (10 clients of 179-180 samples: width 10), else the sequential one."""
+    step together (10 clients of 134-135 samples: width 9.3), else the sequential one."""
     from contrafl.engine import setup
 
     monkeypatch.setattr(setup, "cpu_cores", lambda: 1)
