@@ -10,6 +10,7 @@ with status 2.
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import dataclasses
 import gc
@@ -18,10 +19,11 @@ import json
 import os
 import sys
 import textwrap
+import threading
 import traceback
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from . import __version__
 from .allocator import keep_freed_memory
@@ -1151,9 +1153,31 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BROKEN_PIPE
 
 
+def run() -> NoReturn:
+    """The ``contrafl`` command (and ``python -m contrafl``): :func:`main`, then
+    :func:`end_process`."""
+    end_process(main())
+
+
+def end_process(code: int) -> NoReturn:
+    """End the process with exit status ``code`` as the interpreter would, less its
+    teardown: the exit handlers run (``atexit``: logging, trackers, multiprocessing's
+    children), the standard streams are flushed, and ``os._exit`` skips destroying every
+    module and object, which takes torch alone about 0.3 s (``python -c "import torch"``
+    1.25 s, 0.97 s ending so; a run of pfl-research's silo shape 0.42 s). Where a thread
+    that is not a daemon still runs, the ordinary exit, which waits for it."""
+    if any(t.is_alive() and not t.daemon for t in threading.enumerate() if t is not threading.main_thread()):
+        sys.exit(code)
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # a reader gone, a stream closed
+            stream.flush()
+    os._exit(code)
+
+
 EXIT_BROKEN_PIPE = 128 + 13
 """The exit status of a command whose output was closed by its reader (SIGPIPE's)."""
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run()
