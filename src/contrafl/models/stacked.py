@@ -24,7 +24,6 @@ statistics and random masks are per client), nor has an encoder of an unknown ty
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Optional
 
 import torch
 from torch import nn
@@ -50,7 +49,7 @@ def register(kind: type, forward: Encoder, supports: Callable[[nn.Module], bool]
     _ENCODERS[kind] = (forward, supports)
 
 
-def stacked_forward(model: nn.Module) -> Optional[StackedForward]:
+def stacked_forward(model: nn.Module) -> StackedForward | None:
     """The stacked forward of ``model`` (see the module's doc), or ``None`` when it has
     none: not a :class:`FedModel`, an encoder of an unregistered type, BatchNorm,
     dropout."""
