@@ -93,9 +93,9 @@ def _detached(v: Any) -> Any:
 STACK_WIDTH = 8
 """The least :func:`stack_width` at which ``executor=auto`` (``rank_executor=auto``)
 stacks clients on a CPU. Measured on 2 cores (docs/performance.md): pfl-research's device
-shape (25 clients a rank of 51 images in batches of 10, width 24) trained 17% faster
-stacked, its silo shape (5 clients a rank of 144 to 687 images, batches of 64, width
-2.5-2.9) 5-9% slower."""
+shape (25 clients a rank of 50-51 images in batches of 10, width 24) took 22% less time
+stacked, its silo shape (5 clients a rank of 144 to 809 images, batches of 64, width
+2.5-2.9) 5-9% more."""
 
 
 def stack_width(sizes: Sequence[int], per_stack: int, batch_size: int, epochs: int, drop_last: bool) -> float:
