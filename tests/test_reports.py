@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from contrafl.engine.setup import prepare
 from contrafl.engine.simulation import Simulation
 from contrafl.experiments.probe import _spectrum_record
 from contrafl.experiments.report import report
+from contrafl.experiments.suite import _final_line
 from conftest import strict_json
 
 FAST = ["rounds=2", "local_epochs=1", "num_clients=4", "executor=sequential"]
@@ -43,6 +45,21 @@ def test_fedproto_writes_strict_json(tmp_path):
     rows = [strict_json(line) for line in (tmp_path / "proto" / "metrics.jsonl").read_text().splitlines()]
     assert summary["status"] == "completed" and "personal_loss" not in summary["final"]
     assert all("personal_loss" not in r and r["client_loss"] == [None] * 4 and None not in r["client_acc"] for r in rows)
+
+
+def test_the_last_lines_name_each_metric_family_as_the_tables_do():
+    """A run's last line and a suite's line of a finished run give every family the run
+    evaluated, in the words of :data:`~contrafl.experiments.report.METRICS` and
+    ``ATTACK_METRICS``; a representation suite its kNN accuracy only."""
+    final = {"test_acc": 0.5, "knn_acc": 0.25, "backdoor_success": 0.125, "personal_backdoor_success": 0.0625}
+    summary = {"rounds_completed": 3, "wall_time_s": 1.0, "final": final, "best_knn_acc": 0.25, "best_knn_round": 3,
+               "bytes_total": {"down": {}, "up": {}}}
+    line = format_summary(summary)
+    assert "final test accuracy 0.5000" in line and "; backdoor success 0.1250; client backdoor success 0.0625;" in line
+    assert _final_line(SimpleNamespace(metric="final"), summary) == (
+        "final test accuracy 0.5000, final kNN accuracy 0.2500, final backdoor success 0.1250, final client backdoor success 0.0625")
+    assert _final_line(SimpleNamespace(metric="representation"), summary) == "final kNN accuracy 0.2500"
+    assert _final_line(SimpleNamespace(metric="final"), {"final": {}}) == "no evaluated accuracy"
 
 
 def test_per_client_arrays_and_the_best_round_of_personalised_runs(tmp_path):

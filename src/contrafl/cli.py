@@ -324,6 +324,8 @@ def format_summary(summary: dict, history: list[dict] | None = None) -> str:
     """The run's last line: rounds and time, accuracies, privacy spent, replies lost or
     rejected, stragglers, simulated time and communication (``history``: the rounds'
     rows, for the replies lost)."""
+    from .experiments.report import ATTACK_METRICS
+
     final = summary.get("final", {})
     parts = [f"done: {count(summary['rounds_completed'], 'round')} in {summary['wall_time_s']:.1f}s"]
     if "test_acc" in final:
@@ -347,9 +349,9 @@ def format_summary(summary: dict, history: list[dict] | None = None) -> str:
         rb = summary["robustness"]
         found = "; ".join(f"{k} {rb[k]:.2f}" for k in ("precision", "recall") if rb.get(k) is not None)
         parts.append(f"aggregator={rb['aggregator']}, attack={rb['attack']}" + (f" (attackers found: {found})" if found else ""))
-    for key, label in (("backdoor_success", "backdoor success"), ("personal_backdoor_success", "client backdoor success")):
-        if final.get(key) is not None:
-            parts.append(f"{label} {final[key]:.4f}")
+    for metric in ATTACK_METRICS:
+        if final.get(metric.key) is not None:
+            parts.append(f"{metric.words} {final[metric.key]:.4f}")
     lost = sum(len(row.get("lost", [])) for row in history or [])
     if lost:
         parts.append(f"{count(lost, 'reply', 'replies')} lost")

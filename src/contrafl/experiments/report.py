@@ -241,27 +241,30 @@ def mean_pm(values: Sequence[float], scale: float = 100.0) -> str:
 @dataclass(frozen=True)
 class Metric:
     """A metric family, in tables and figures of its own: ``key`` in the metrics rows,
-    with the client std at each round for personalised evaluation; ``lower_is_better``
-    for a value the run should keep low (an attack's success rate), whose best round is
-    its lowest."""
+    ``label`` its table column, ``words`` its name in a sentence (a run's or a suite's
+    last line), with the client std at each round for personalised evaluation;
+    ``lower_is_better`` for a value the run should keep low (an attack's success rate),
+    whose best round is its lowest."""
 
     key: str
     label: str
+    words: str
     std: str | None = None
     title: str = ""
     lower_is_better: bool = False
 
 
 METRICS = (  # the accuracies a run is judged by (run_metric), each family in tables and figures of its own
-    Metric("personal_acc", "client acc", "personal_acc_std", "Personalised models: sample-weighted client accuracy"),  # PFLlib's
-    Metric("test_acc", "test acc", None, "Global model: test accuracy"),
-    Metric("knn_acc", "kNN acc", None, "Self-supervised encoders: kNN accuracy of the global encoder"),
+    Metric("personal_acc", "client acc", "client accuracy", "personal_acc_std",
+           "Personalised models: sample-weighted client accuracy"),  # PFLlib's
+    Metric("test_acc", "test acc", "test accuracy", None, "Global model: test accuracy"),
+    Metric("knn_acc", "kNN acc", "kNN accuracy", None, "Self-supervised encoders: kNN accuracy of the global encoder"),
 )
 
 ATTACK_METRICS = (  # what an attack achieved: families of their own, never on an accuracy's axis or judging a run
-    Metric("backdoor_success", "backdoor success", None,
+    Metric("backdoor_success", "backdoor success", "backdoor success", None,
            "Backdoor: the global model's attack success rate (lower is better for the defender)", lower_is_better=True),
-    Metric("personal_backdoor_success", "client backdoor success", None,
+    Metric("personal_backdoor_success", "client backdoor success", "client backdoor success", None,
            "Backdoor: the personalised models' attack success rate, sample-weighted over the clients (lower is better for the defender)",
            lower_is_better=True),
 )

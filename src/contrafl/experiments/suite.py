@@ -59,7 +59,7 @@ from ..words import count
 from ..metrics.history import last_row, last_value, mean_std, rounds_to_reach
 from .eta import RunTimes, calibrate_each, seconds_left
 from .groups import Group, group_runs
-from .report import pm, read_run
+from .report import ATTACK_METRICS, METRICS, pm, read_run
 from .spec import SUITE_RECORD, Suite, _slug, base_methods, run_path, split_method
 
 
@@ -251,10 +251,8 @@ def _final_line(suite: Suite, summary: Mapping[str, Any]) -> str:
     if suite.metric == "best":
         value = summary.get("best_personal_acc")
         return f"best client accuracy {'-' if value is None else f'{value:.4f}'}"
-    names = {"test_acc": "test accuracy", "personal_acc": "client accuracy", "knn_acc": "kNN accuracy", "backdoor_success": "backdoor success",
-             "personal_backdoor_success": "client backdoor success"}
-    keys = ["knn_acc"] if suite.metric == "representation" else list(names)
-    parts = [f"final {names[k]} {final[k]:.4f}" for k in keys if final.get(k) is not None]
+    metrics = [m for m in (*METRICS, *ATTACK_METRICS) if suite.metric != "representation" or m.key == "knn_acc"]
+    parts = [f"final {m.words} {final[m.key]:.4f}" for m in metrics if final.get(m.key) is not None]
     return ", ".join(parts) or "no evaluated accuracy"
 
 
