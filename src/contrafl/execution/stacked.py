@@ -95,7 +95,8 @@ STACK_WIDTH = 8
 stacks clients on a CPU. Measured on 2 cores (docs/performance.md): pfl-research's device
 shape (25 clients a rank of 50-51 images in batches of 10, width 24) took 22% less time
 stacked, its silo shape (5 clients a rank of 144 to 809 images, batches of 64, width
-2.5-2.9) 5-9% more."""
+2.5-2.9) 5-9% more; with fewer of the device shape's clients a round, stacking tied at
+widths 4 and 6 and took 5-10% less time at 8."""
 
 
 def stack_width(sizes: Sequence[int], per_stack: int, batch_size: int, epochs: int, drop_last: bool) -> float:
