@@ -35,6 +35,17 @@ def test_plan_keep_last_and_tiny_clients():
     assert tiny.steps == 0 and tiny.epoch_ends == frozenset()
 
 
+def test_a_last_batch_shorter_than_the_smallest_is_left_out():
+    """A model with BatchNorm trains no batch of one sample (``smallest=2``): without
+    ``drop_last`` an epoch's last batch of one is left out as ``drop_last`` would; a
+    longer one is kept; a client of one sample takes no step."""
+    plan = make_plan(np.arange(65), 2, 32, False, _no_aug, 1, generator(0, "p"), smallest=2)
+    assert plan.sizes == [32, 32] * 2 and plan.epoch_ends == frozenset({1, 3})
+    assert make_plan(np.arange(66), 1, 32, False, _no_aug, 1, generator(0, "p"), smallest=2).sizes == [32, 32, 2]
+    assert make_plan(np.arange(65), 1, 32, False, _no_aug, 1, generator(0, "p")).sizes == [32, 32, 1]
+    assert make_plan(np.arange(1), 3, 32, False, _no_aug, 1, generator(0, "p"), smallest=2).steps == 0
+
+
 def test_plan_is_a_function_of_the_seed_keys():
     a = make_plan(np.arange(50), 2, 8, True, _no_aug, 1, generator(3, "plan", 1, 4))
     b = make_plan(np.arange(50), 2, 8, True, _no_aug, 1, generator(3, "plan", 1, 4))

@@ -774,6 +774,28 @@ def test_partial_last_batches_vectorized_equal_the_sequential_run(algorithm):
             assert b["train_loss"] == pytest.approx(a["train_loss"], rel=1e-5)
 
 
+def test_a_model_with_batch_norm_leaves_out_last_batches_of_one_sample():
+    """``drop_last=false`` with BatchNorm (MOON's projection head with ``projection_bn``):
+    a client whose epochs end with one sample leaves that batch out (PyTorch cannot
+    train BatchNorm on it; FedU2's clients skip it) and the run trains, sequential and
+    vectorized alike; ``batch_size=1`` is refused in one line."""
+    from conftest import simulate
+    from contrafl.engine.setup import prepare
+    from contrafl.errors import ConfigError
+
+    args = ["algorithm=moon", "model.projection_bn=true", "drop_last=false", "batch_size=9", "local_epochs=1", "rounds=1"]
+    seq = simulate(*args, "executor=sequential")
+    sizes = [len(rows) for rows in seq.rows]
+    assert any(n % 9 == 1 for n in sizes)  # a last batch of one sample, left out
+    assert seq.history[0]["local_steps"] == sum(n // 9 + (n % 9 > 1) for n in sizes)
+    vec = simulate(*args, "executor=vectorized")
+    assert vec.history[0]["local_steps"] == seq.history[0]["local_steps"]
+    for k, v in seq.server.model.items():
+        torch.testing.assert_close(vec.server.model[k], v, rtol=0, atol=1e-5)
+    with pytest.raises(ConfigError, match=r"^batch_size=1 cannot train model mlp: its BatchNorm layers .* use batch_size=2 or more$"):
+        prepare(load_config(None, [*args, "batch_size=1"]))
+
+
 def test_step_graphs_only_on_a_gpu():
     from contrafl.execution.cuda_graphs import StepGraphs
 

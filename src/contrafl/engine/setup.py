@@ -31,7 +31,7 @@ from ..models import build_model
 from ..models.custom import from_user, vectorizable
 from ..models.build import model_spec as lookup_model
 from ..models.registry import split_options
-from ..models.base import FedModel
+from ..models.base import FedModel, smallest_batch
 from ..models.stacked import stacked_forward
 from ..rng import derive_seed
 from ..words import count
@@ -546,6 +546,11 @@ def build(requested: Config, cfg: Config, data: FederatedDataset, partition: Par
         )
     model_factory = functools.partial(init_model, cfg, data, algo_cls, algo_params)
     model = model_factory(derive_seed(cfg.seed, "global-init"))
+    if cfg.batch_size < smallest_batch(model):
+        raise ConfigError(
+            f"batch_size={cfg.batch_size} cannot train model {cfg.model.name}: its BatchNorm layers normalise each "
+            f"feature over a batch, which needs at least {smallest_batch(model)} samples; use batch_size=2 or more"
+        )
     cfg, notes = check_vectorizable(requested, cfg, model, shape)
     cfg = choose_stacking(requested, cfg, model, partition, algo_cls)
     federation = Federation(

@@ -25,7 +25,7 @@ from ..config import Config
 from ..cores import cores_each, cpu_cores
 from ..data.augment import Transform, Views, view_transform
 from ..metrics.evaluate import evaluate
-from ..models.base import ModelOutput
+from ..models.base import ModelOutput, smallest_batch
 from ..models.stacked import stacked_forward
 from ..rng import derive_seed, generator
 from ..speeds import client_speeds, round_speed, step_budget
@@ -84,6 +84,9 @@ class LocalClients(ReplyChecks):
         self.train = setup.data.train.to(self.device)
         self.test = setup.data.test.to(self.device)
         self.net = FunctionalNet(setup.model.to(self.device))
+        self.smallest_batch = smallest_batch(setup.model)
+        """The fewest samples a training batch takes (2 for a model with BatchNorm): a
+        shorter last batch of an epoch is left out (:func:`epoch_batch_sizes`)."""
         self.autocast = torch.bfloat16 if cfg.precision == "bf16" else None
         self.client_net = self.net if self.autocast is None else AutocastNet(self.net, self.autocast)
         """The forward algorithms get for their own computations (:attr:`Context.net`), in the run's precision."""
@@ -139,7 +142,7 @@ class LocalClients(ReplyChecks):
             epochs = task.epochs[i] if task.epochs is not None else phase.epochs if phase.epochs is not None else cfg.local_epochs
             batch = phase.batch_size or cfg.batch_size
             samplers = [view_transform(self.setup.train_transform, v).sample for v in range(self.algorithm.views)]
-            plan = make_plan(self.rows[cid], epochs, batch, cfg.drop_last, samplers, self.algorithm.views, g)
+            plan = make_plan(self.rows[cid], epochs, batch, cfg.drop_last, samplers, self.algorithm.views, g, self.smallest_batch)
             plans.append(plan if self.local_executor == "vectorized" else plan.to(self.device))
         return plans
 
@@ -151,7 +154,7 @@ class LocalClients(ReplyChecks):
         n = len(self.rows[cid])
         return sum(
             (phase.epochs if phase.epochs is not None else cfg.local_epochs)
-            * len(epoch_batch_sizes(n, phase.batch_size or cfg.batch_size, cfg.drop_last))
+            * len(epoch_batch_sizes(n, phase.batch_size or cfg.batch_size, cfg.drop_last, self.smallest_batch))
             for phase in phases
         )
 

@@ -61,11 +61,13 @@ class ClientPlan:
         return ClientPlan(self.order.to(device), self.sizes, aug, self.epoch_ends)
 
 
-def epoch_batch_sizes(n: int, batch_size: int, drop_last: bool) -> list[int]:
+def epoch_batch_sizes(n: int, batch_size: int, drop_last: bool, smallest: int = 1) -> list[int]:
     """Sizes of the batches of one epoch over ``n`` samples; with ``drop_last`` (MOON's
-    DataLoader setting) the last incomplete batch is dropped."""
+    DataLoader setting) the last incomplete batch is dropped, without it kept when it
+    has at least ``smallest`` samples (a model with BatchNorm trains no batch of one,
+    :func:`~contrafl.models.base.smallest_batch`)."""
     full, rest = divmod(n, batch_size)
-    return [batch_size] * full + ([] if drop_last or rest == 0 else [rest])
+    return [batch_size] * full + ([] if drop_last or rest < max(smallest, 1) else [rest])
 
 
 def make_plan(
@@ -76,18 +78,21 @@ def make_plan(
     sample_aug: Sampler | Sequence[Sampler],
     views: int,
     generator: torch.Generator,
+    smallest: int = 1,
 ) -> ClientPlan:
     """Shuffle ``rows`` once per epoch and cut batches of ``batch_size``.
 
     With ``drop_last`` (MOON's DataLoader setting) the last incomplete batch of each epoch
-    is dropped, so a client with fewer than ``batch_size`` samples takes no step.
+    is dropped, so a client with fewer than ``batch_size`` samples takes no step; without
+    it, the last batch is kept when it has at least ``smallest`` samples (its samples are
+    left out of the epoch otherwise, as with ``drop_last``).
     ``sample_aug(n, generator)`` draws the augmentation parameters of ``n`` samples; a
     sequence holds one sampler per view pipeline, view ``v`` using ``sample_aug[v % len]``
     (:class:`~contrafl.data.augment.Views`).
     """
     rows_t = torch.as_tensor(np.asarray(rows), dtype=torch.long)
     n = len(rows_t)
-    epoch_sizes = epoch_batch_sizes(n, batch_size, drop_last)
+    epoch_sizes = epoch_batch_sizes(n, batch_size, drop_last, smallest)
     used = sum(epoch_sizes)
     order, sizes, ends = [], [], []
     for _ in range(epochs):

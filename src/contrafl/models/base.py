@@ -131,3 +131,11 @@ class FedModel(nn.Module):
             a = self.l1_bn(a)
         z = self.l2(F.relu(a))
         return self.l2_bn(z) if self.l2_bn is not None else z
+
+
+def smallest_batch(model: nn.Module) -> int:
+    """The fewest samples a training batch of ``model`` needs: 2 with BatchNorm layers,
+    whose training-mode forward normalises each feature over the batch (PyTorch refuses a
+    batch of one sample for ``BatchNorm1d``; FedU2's clients skip such a batch,
+    ``fedU2/fedbyol_client.py:70``), else 1."""
+    return 2 if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()) else 1

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .base import FedModel, ModelOutput
+from .base import FedModel, ModelOutput, smallest_batch
 from .layers import max_pool2x2
 
 State = Mapping[str, torch.Tensor]
@@ -53,7 +53,7 @@ def stacked_forward(model: nn.Module) -> StackedForward | None:
     """The stacked forward of ``model`` (see the module's doc), or ``None`` when it has
     none: not a :class:`FedModel`, an encoder of an unregistered type, BatchNorm,
     dropout."""
-    if not isinstance(model, FedModel) or _has_batch_norm(model) or model.dropout:
+    if not isinstance(model, FedModel) or smallest_batch(model) > 1 or model.dropout:
         return None
     entry = _ENCODERS.get(type(model.features))
     if entry is None or not entry[1](model.features):
@@ -77,10 +77,6 @@ def stacked_forward(model: nn.Module) -> StackedForward | None:
         return ModelOutput(h, z, logits, p, extra)
 
     return forward
-
-
-def _has_batch_norm(model: nn.Module) -> bool:
-    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
 
 
 def _within(state: State, prefix: str) -> dict[str, torch.Tensor]:
