@@ -15,7 +15,7 @@ import yaml
 
 from contrafl.cli import main
 from contrafl.config import load_config
-from contrafl.data import folder, leaf
+from contrafl.data import arrays, folder, leaf
 from contrafl.engine.setup import resolve
 from contrafl.errors import ConfigError, DataError
 from test_user_datasets import leaf_file, one_line_error, pfllib_dataset, tree
@@ -133,6 +133,43 @@ def test_a_conflicting_setting_is_one_line_before_any_image_is_decoded(tmp_path,
     assert not (tmp_path / "run").exists() and not (root / folder.CACHE_DIR).exists()
     with pytest.raises(ConfigError, match="num_clients=5, but the files of"):
         resolve(load_config(None, ["dataset=pfllib", f"data_dir={pfllib_folder(tmp_path / 'p')}", "num_clients=5"]))
+
+
+def test_a_column_of_client_ids_makes_the_natural_partition_the_default(tmp_path, capsys, monkeypatch):
+    """Arrays' ``client_train`` and a Hugging Face ``dataset.client`` column fix the
+    clients as the files of the other layouts do: counted from the ids alone (no sample
+    read), ``partition=natural`` and ``num_clients`` the defaults, other values refused in
+    one line; then ``dataset=arrays data_dir=FILE`` is the whole command."""
+    path = tmp_path / "sites.npz"
+    np.savez(path, x_train=np.zeros((24, 4), np.float32), y_train=np.arange(24) % 2, client_train=np.array(["c10", "c2", "c1"] * 8))
+    with monkeypatch.context() as m:
+        m.setattr(arrays, "as_samples", lambda *args: pytest.fail("samples read to count the clients"))
+        cfg = resolve(load_config(None, ["dataset=arrays", f"data_dir={path}"]))
+        assert (cfg.partition.name, cfg.num_clients) == ("natural", 3)
+        line = one_line_exit(capsys, "--out", str(tmp_path / "bad"), "dataset=arrays", f"data_dir={path}", "num_clients=2")
+        assert f"num_clients=2, but the files of data_dir={path} are split into 3 clients (c1, c2, c10)" in line, line
+        assert "partition=natural" in one_line_exit(capsys, "--out", str(tmp_path / "bad"), "dataset=arrays", f"data_dir={path}", "partition=iid")
+    assert main(["run", *FAST_RUN, "--out", str(tmp_path / "run"), "dataset=arrays", f"data_dir={path}", "model.hidden=[8]"]) == 0
+    assert len(json.loads((tmp_path / "run" / "partition.json").read_text())["train"]) == 3
+    np.savez(path, x_train=np.zeros((24, 4), np.float32), y_train=np.arange(24) % 2)  # no client ids: the general defaults
+    cfg = resolve(load_config(None, ["dataset=arrays", f"data_dir={path}"]))
+    assert (cfg.partition.name, cfg.num_clients) == ("dirichlet", 10)
+
+    datasets = pytest.importorskip("datasets")
+    from contrafl.data import huggingface
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf-cache"))
+    rows = {"f": [float(i) for i in range(20)], "label": [i % 2 for i in range(20)], "site": ["b", "a"] * 8 + ["c"] * 4}
+    datasets.Dataset.from_dict(rows).save_to_disk(tmp_path / "hf")
+    common = ["dataset=huggingface", f"data_dir={tmp_path / 'hf'}", "dataset.features=f"]
+    monkeypatch.setattr(huggingface, "_vectors", lambda *args: pytest.fail("samples read to count the clients"))
+    cfg = resolve(load_config(None, [*common, "dataset.client=site"]))
+    assert (cfg.partition.name, cfg.num_clients) == ("natural", 3)
+    with pytest.raises(ConfigError, match=r"^partition=iid, but the files of data_dir=.* are split into 3 clients \(a, b, c\)"):
+        resolve(load_config(None, [*common, "dataset.client=site", "partition=iid"]))
+    with pytest.raises(ConfigError, match="dataset.client=who: .* has no such column"):
+        resolve(load_config(None, [*common, "dataset.client=who"]))
+    assert resolve(load_config(None, common)).num_clients == 10  # no client column
 
 
 def test_a_deployment_counts_the_clients_the_files_fix(tmp_path):

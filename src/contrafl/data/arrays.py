@@ -7,7 +7,8 @@ The arrays (``np.savez(PATH, x_train=..., y_train=...)``, or ``x_train.npy``... 
   of each class is split off the training samples, the same split for every run);
 * ``classes``: the class names, label ``i`` being ``classes[i]`` (optional);
 * ``client_train`` (and ``client_test``): each sample's client id, for naturally federated
-  data (``partition=natural``, one client per id in sorted order, named ``str(id)``).
+  data (``partition=natural`` and ``num_clients`` the ids', the defaults; one client per
+  id in sorted order, named ``str(id)``).
 
 Samples are images ``uint8 [N, H, W, C]`` or ``[N, C, H, W]`` (``dataset.layout``; ``auto``
 takes a last axis of 1, 3 or 4 that the second axis is not as the channels), ``[N, H, W]``
@@ -217,6 +218,25 @@ def _client_ids(arrays: _Arrays, key: str, rows: int) -> np.ndarray:
     return ids.astype(str) if ids.dtype.kind == "S" else ids
 
 
+def _client_order(ids: np.ndarray) -> list:
+    """The distinct client ids of ``ids``, one client each, in order: numbers as numbers,
+    text naturally (``c2 < c10``)."""
+    return np.unique(ids).tolist() if ids.dtype.kind in "iu" else sorted(set(ids.tolist()), key=natural_key)
+
+
+def arrays_clients(req: LoadRequest) -> list[str] | None:
+    """The clients of ``client_train`` at ``req.data_dir``, named ``str(id)``, read
+    without the samples (only the ids and ``x_train``'s header), or ``None`` without
+    ``client_train``."""
+    if req.data_dir is None:
+        raise ConfigError("dataset arrays needs data_dir=PATH, an .npz file or a folder of .npy files")
+    arrays = _Arrays(Path(req.data_dir))
+    if "client_train" not in arrays or "x_train" not in arrays:
+        return None
+    shape = arrays.header("x_train")[0]
+    return [str(cid) for cid in _client_order(_client_ids(arrays, "client_train", shape[0] if shape else 0))]
+
+
 def load_arrays(req: LoadRequest) -> FederatedDataset:
     """The arrays at ``req.data_dir`` (see the module docstring)."""
     options = req.options if isinstance(req.options, ArraysOptions) else ArraysOptions()
@@ -270,7 +290,7 @@ def load_arrays(req: LoadRequest) -> FederatedDataset:
         options = dataclasses.replace(options, classes=list(names))
     if "train" in clients:
         ids = clients["train"]
-        order = np.unique(ids).tolist() if ids.dtype.kind in "iu" else sorted(set(ids.tolist()), key=natural_key)
+        order = _client_order(ids)
         if "test" in clients:
             strays = sorted(set(clients["test"].tolist()) - set(order), key=lambda c: natural_key(str(c)))
             if strays:
@@ -303,6 +323,7 @@ DATASETS.add(
         name="arrays",
         summary="your numpy arrays: data_dir=FILE.npz (or a folder of .npy) with x_train, y_train[, x_test, y_test, classes, client_train, client_test]",
         load=load_arrays,
+        clients=arrays_clients,
         default_model="mlp",
         augment="none",
         ssl_augment=None,

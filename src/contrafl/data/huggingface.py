@@ -17,7 +17,8 @@ vectors made of numeric columns (``dataset.features``). Labels come from ``datas
 (auto: ``label``, else the first ``ClassLabel`` column): the classes are the ClassLabel's
 names in its order (so that class ``k`` is the dataset's label ``k``), else the sorted label
 values. With ``dataset.client``, a column of client ids, the dataset is federated by
-construction: one client per id (in sorted order), ``partition=natural``.
+construction: one client per id (in sorted order); ``partition=natural`` and
+``num_clients`` the ids' are the defaults (:func:`huggingface_clients`).
 
 The rows keep the order of the splits, so that ``partition=flwr_*`` assigns the samples a
 Flower Datasets experiment on the same split assigns.
@@ -462,6 +463,24 @@ def _vectors(splits: list[tuple[str, Any, str]], columns: list[str], o: HuggingF
     return out
 
 
+def huggingface_clients(req: LoadRequest) -> list[str] | None:
+    """The clients of the ``dataset.client`` column (``None`` without it), one per id of
+    the training and test splits, named ``str(id)`` in the loader's order, read from the
+    column alone."""
+    o: HuggingFaceOptions = req.options
+    if o.client is None:
+        return None
+    splits, source = _open(req, o, _import_datasets())
+    train, test = _pick_splits(splits, o, source)
+    ids: set[Any] = set()
+    for split, ds in [train] + ([test] if test is not None else []):
+        where = source if "" in splits else f"{source} split {split!r}"
+        values = _values(ds.select_columns([_column(ds, o.client, "client", where)]), o.client)
+        _check_missing(values, o.client, where)
+        ids.update(values)
+    return [str(cid) for cid in _sort(ids)]
+
+
 # --------------------------------------------------------------------------------------------
 # The loader
 
@@ -551,6 +570,7 @@ DATASETS.add(
         name="huggingface",
         summary="a Hugging Face datasets dataset: a save_to_disk folder, parquet/arrow/csv/json files, or dataset.hub=ID",
         load=load_huggingface,
+        clients=huggingface_clients,
         default_model="mlp",
         augment="none",
         recommended={"batch_size": 32, "rounds": 20, "local_epochs": 5},

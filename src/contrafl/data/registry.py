@@ -54,9 +54,11 @@ class DatasetSpec:
             its checksum; ``None`` for bundled or generated datasets.
         needs_data_dir: whether ``data_dir`` must be given.
         clients: ``LoadRequest -> names``: the clients the files at ``data_dir`` are split
-            into by their layout (one per PFLlib file pair, LEAF user or client folder), read
-            from file and folder names or a file's list of users without decoding a sample,
-            or ``None`` where these files are not split per client.
+            into by their layout (one per PFLlib file pair, LEAF user or client folder) or
+            by a column of client ids (arrays' ``client_train``, a Hugging Face
+            ``dataset.client``), read from file and folder names, a file's list of users
+            or the ids without decoding a sample, or ``None`` where these data are not
+            split per client.
             :func:`~contrafl.engine.setup.resolve` makes them the run's ``partition=natural``
             and ``num_clients`` (``auto``) and refuses other values before any sample is read.
             ``None`` (the field): the dataset's files never fix its clients.

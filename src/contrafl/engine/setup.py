@@ -251,7 +251,8 @@ def natural_split(cfg: Config, clients: list[str] | None) -> tuple[str, int]:
     if clients is None:
         return (DEFAULT_PARTITION if P.fold(name) == "auto" else name), (DEFAULT_CLIENTS if given is None else given)
     shown = ", ".join(clients[:5]) + (", ..." if len(clients) > 5 else "")
-    held = f"the files of data_dir={cfg.data_dir} are split into {count(len(clients), 'client')} ({shown})"
+    data = f"the files of data_dir={cfg.data_dir}" if cfg.data_dir else f"the data of dataset={cfg.dataset.name}"
+    held = f"{data} are split into {count(len(clients), 'client')} ({shown})"
     if P.fold(name) not in ("auto", "natural"):
         raise ConfigError(f"partition={name}, but {held}, whose partition is natural; leave partition unset or set partition=natural")
     if given is not None and given != len(clients):
