@@ -778,7 +778,8 @@ def test_a_model_with_batch_norm_leaves_out_last_batches_of_one_sample():
     """``drop_last=false`` with BatchNorm (MOON's projection head with ``projection_bn``):
     a client whose epochs end with one sample leaves that batch out (PyTorch cannot
     train BatchNorm on it; FedU2's clients skip it) and the run trains, sequential and
-    vectorized alike; ``batch_size=1`` is refused in one line."""
+    vectorized alike; ``batch_size=1`` is refused in one line; Per-FedAvg, whose loss
+    halves each batch, leaves out a last batch that cannot give each half two."""
     from conftest import simulate
     from contrafl.engine.setup import prepare
     from contrafl.errors import ConfigError
@@ -794,6 +795,10 @@ def test_a_model_with_batch_norm_leaves_out_last_batches_of_one_sample():
         torch.testing.assert_close(vec.server.model[k], v, rtol=0, atol=1e-5)
     with pytest.raises(ConfigError, match=r"^batch_size=1 cannot train model mlp: its BatchNorm layers .* use batch_size=2 or more$"):
         prepare(load_config(None, [*args, "batch_size=1"]))
+    # Per-FedAvg splits each batch of 2B in halves (Phase.parts=2): a last batch needs 4
+    meta = simulate("algorithm=perfedavg", "model.projection_bn=true", "drop_last=false", "batch_size=7", "rounds=1")
+    assert any(n % 14 in (2, 3) for n in sizes)
+    assert meta.history[0]["local_steps"] == 2 * sum(n // 14 + (n % 14 >= 4) for n in sizes)
 
 
 def test_step_graphs_only_on_a_gpu():

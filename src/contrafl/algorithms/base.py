@@ -215,7 +215,10 @@ class Phase:
     (``None``: the run's) and optimiser settings, given as overrides of the run's
     optimiser (``{"name": "sgd", "lr": 0.01, "momentum": 0.0, "weight_decay": 0.0}``,
     any subset). The parameters a stage does not train keep their values; each phase
-    starts from where the previous one ended.
+    starts from where the previous one ended. ``parts``: how many parts the stages'
+    loss splits each batch into (Per-FedAvg's two halves); with a model that trains no
+    batch of one sample (BatchNorm), a last batch too short to give each part two is
+    left out.
     """
 
     stages: tuple[Stage, ...]
@@ -223,6 +226,7 @@ class Phase:
     batch_size: int | None = None
     optimizer: Mapping[str, Any] | None = None
     name: str = "local"
+    parts: int = 1
 
 
 @dataclass

@@ -97,7 +97,9 @@ class PerFedAvg(Algorithm):
     The inner gradient is taken inside the loss (:func:`adapt`: ``torch.func.grad`` under
     the vectorized executor's ``vmap``, ordinary autograd otherwise), so the objective is
     vectorizable. A batch of odd size (``drop_last=false``)
-    is split at ``len // 2``; a batch of one sample takes no inner step.
+    is split at ``len // 2``; a batch of one sample takes no inner step; with BatchNorm
+    a last batch of fewer than 4 samples is left out (each half needs two,
+    :attr:`~contrafl.algorithms.base.Phase.parts`).
     """
 
     name = "perfedavg"
@@ -128,6 +130,7 @@ class PerFedAvg(Algorithm):
                 epochs=2 * fed.local_epochs,
                 batch_size=2 * fed.batch_size,
                 optimizer={"name": "sgd", "lr": self.beta, "momentum": 0.0, "weight_decay": 0.0},
+                parts=2,
             )
         ]
 

@@ -86,7 +86,8 @@ class LocalClients(ReplyChecks):
         self.net = FunctionalNet(setup.model.to(self.device))
         self.smallest_batch = smallest_batch(setup.model)
         """The fewest samples a training batch takes (2 for a model with BatchNorm): a
-        shorter last batch of an epoch is left out (:func:`epoch_batch_sizes`)."""
+        shorter last batch of an epoch is left out (:func:`epoch_batch_sizes`,
+        :meth:`smallest`)."""
         self.autocast = torch.bfloat16 if cfg.precision == "bf16" else None
         self.client_net = self.net if self.autocast is None else AutocastNet(self.net, self.autocast)
         """The forward algorithms get for their own computations (:attr:`Context.net`), in the run's precision."""
@@ -142,9 +143,15 @@ class LocalClients(ReplyChecks):
             epochs = task.epochs[i] if task.epochs is not None else phase.epochs if phase.epochs is not None else cfg.local_epochs
             batch = phase.batch_size or cfg.batch_size
             samplers = [view_transform(self.setup.train_transform, v).sample for v in range(self.algorithm.views)]
-            plan = make_plan(self.rows[cid], epochs, batch, cfg.drop_last, samplers, self.algorithm.views, g, self.smallest_batch)
+            plan = make_plan(self.rows[cid], epochs, batch, cfg.drop_last, samplers, self.algorithm.views, g, self.smallest(phase))
             plans.append(plan if self.local_executor == "vectorized" else plan.to(self.device))
         return plans
+
+    def smallest(self, phase: Phase) -> int:
+        """The fewest samples a batch of ``phase`` takes: :attr:`smallest_batch` for each
+        of its :attr:`~contrafl.algorithms.base.Phase.parts` where the model needs more
+        than one (BatchNorm), else 1."""
+        return self.smallest_batch * phase.parts if self.smallest_batch > 1 else 1
 
     def planned_steps(self, cid: int, phases: list[Phase]) -> int:
         """Client ``cid``'s local steps in ``phases`` as the phases' epochs and batch sizes
@@ -154,7 +161,7 @@ class LocalClients(ReplyChecks):
         n = len(self.rows[cid])
         return sum(
             (phase.epochs if phase.epochs is not None else cfg.local_epochs)
-            * len(epoch_batch_sizes(n, phase.batch_size or cfg.batch_size, cfg.drop_last, self.smallest_batch))
+            * len(epoch_batch_sizes(n, phase.batch_size or cfg.batch_size, cfg.drop_last, self.smallest(phase)))
             for phase in phases
         )
 
