@@ -18,7 +18,7 @@ import torch
 
 from contrafl.cli import main
 from contrafl.config import load_config
-from contrafl.engine.checkpoint import CHECKPOINT_KEYS, FOREIGN, check_client_state, load_safe
+from contrafl.engine.checkpoint import CHECKPOINT_KEYS, FOREIGN, check_client_state, history_rows, load_safe, pack_history
 from contrafl.engine.client_store import ClientStore
 from contrafl.engine.run_dir import RunDir
 from contrafl.engine.setup import prepare
@@ -38,7 +38,7 @@ def stopped(tmp_path_factory) -> Path:
     assert main(["run", "--quiet", "--out", str(run), *SETTINGS]) == 0
     checkpoint = torch.load(run / "checkpoint.pt", weights_only=True)
     assert len(checkpoint["clients"]["files"]) == 4
-    torch.save({**checkpoint, "round": 1, "history": checkpoint["history"][:1]}, run / "checkpoint.pt")
+    torch.save({**checkpoint, "round": 1, "history": pack_history(history_rows(checkpoint)[:1])}, run / "checkpoint.pt")
     summary = json.loads((run / "summary.json").read_text())
     (run / "summary.json").write_text(json.dumps({**summary, "status": "interrupted", "checkpointed_rounds": 1}))
     return run
@@ -162,19 +162,37 @@ def _set(path: str, value):
     return change
 
 
+def _rows(value):
+    """A change of the checkpoint's metrics rows (packed as contrafl packs them)."""
+    return _set("history", lambda packed: pack_history(value(history_rows({"history": packed}))))
+
+
+class _Exploit:
+    """A pickle that runs ``touch MARKER`` when it is unpickled."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
 @pytest.mark.parametrize(
     "change,fragment",
     [
-        (_set("format", 2), "has format 2, not 1: it was written by another contrafl version"),
+        (_set("format", 3), "has format 3, not 1 or 2: it was written by another contrafl version"),
         (_set("round", -1), "round is -1, expected the rounds done, a whole number in 0..2"),
         (_set("round", 3), "round is 3, expected"),
         (_set("round", "1"), "round is '1', expected"),
         (_set("round", 1.0), "round is 1.0, expected"),
-        (_set("history", {}), "history is a dict with keys [], expected a list of 1 rows"),
-        (_set("history", []), "history is a list of 0 items, expected a list of 1 rows"),
-        (_set("history", [[1]]), "history row 1 is a list of 1 items, expected a metrics row"),
-        (_set("history", lambda h: [{**h[0], "round": 5}]), "history row 1 is a dict"),
-        (_set("history", lambda h: [{**h[0], "loss": torch.zeros(2)}]), "history row 1 is a dict"),
+        (_set("history", {}), "history is a dict with keys [], expected the metrics rows of the rounds done, pickled (bytes)"),
+        (_set("history", b"not a pickle"), "history is not a pickle of plain values"),
+        (_rows(lambda h: {}), "history is a dict with keys [], expected a list of 1 rows"),
+        (_rows(lambda h: []), "history is a list of 0 items, expected a list of 1 rows"),
+        (_rows(lambda h: [[1]]), "history row 1 is a list of 1 items, expected a metrics row"),
+        (_rows(lambda h: [{**h[0], "round": 5}]), "history row 1 is a dict"),
+        (_rows(lambda h: [{**h[0], "loss": torch.zeros(2)}]), "history is not a pickle of plain values (it names torch._utils"),
+        (_rows(lambda h: [{**h[0], "loss": {1, 2}}]), "history row 1 is a dict"),
         (_set("server", [1]), "server is a list of 1 items, expected a dict of 'model'"),
         (_set("server.extras", None), "server is a dict with keys ['model', 'extras']"),
         (_set("server.model", lambda m: {**m, "extra.weight": torch.zeros(1)}), "server.model['extra.weight'] is a float32 tensor of shape [1], expected only tensors of the run's model"),
@@ -201,6 +219,27 @@ def _set(path: str, value):
 def test_wrong_values_are_refused(run, change, fragment):
     _edit(run, change)
     _refused(run, str(run / "checkpoint.pt"), fragment)
+
+
+def test_a_history_that_would_run_code_runs_nothing(run, tmp_path):
+    """The metrics rows are a pickle of their own, read without finding any function:
+    one that calls ``os.system`` is refused and calls nothing."""
+    marker = tmp_path / "pwned"
+    _edit(run, _set("history", pickle.dumps([_Exploit(marker)])))
+    _refused(run, "history is not a pickle of plain values (it names posix.system", FOREIGN)
+    assert not marker.exists()
+
+
+def test_a_checkpoint_of_format_1_resumes_as_its_own_format_would(run, stopped, tmp_path):
+    """A run stopped by a contrafl that wrote the rows themselves (format 1) resumes and
+    ends as the same run resumed from this version's checkpoint."""
+    _edit(run, lambda checkpoint: {**checkpoint, "format": 1, "history": history_rows(checkpoint)})
+    assert main(["run", "--quiet", "--resume", str(run)]) == 0
+    now = Path(shutil.copytree(stopped, tmp_path / "now"))
+    assert main(["run", "--quiet", "--resume", str(now)]) == 0
+    assert (run / "metrics.jsonl").read_bytes() == (now / "metrics.jsonl").read_bytes()
+    a, b = (torch.load(path / "checkpoint.pt", weights_only=True) for path in (run, now))
+    assert a["format"] == 2 and history_rows(a) == history_rows(b) and len(history_rows(a)) == 2
 
 
 def test_another_configuration_is_named_before_its_model_shapes(run):

@@ -18,6 +18,7 @@ from dp_accounting.rdp import RdpAccountant
 from contrafl.algorithms.base import Reply
 from contrafl.cli import main
 from contrafl.config import fingerprint, load_config
+from contrafl.engine.checkpoint import history_rows
 from contrafl.engine.privacy import (
     LEDGER, Accountant, Privacy, add_noise, clip, gaussian, is_label_table, protect_labels, secret_normal, updates, vector_norm,
 )
@@ -331,7 +332,7 @@ def test_a_secret_sample_is_drawn_from_the_os_and_no_file_of_the_run_says_who_to
     assert lost and all(set(item) == {"reason"} for item in lost)
     ledger = [json.loads(line) for line in (run / LEDGER).read_text().splitlines()]
     assert [e["round"] for e in ledger] == [0, 1, 2] and not any("clients" in e or e["client"] is not None for e in ledger)
-    history = torch.load(run / "checkpoint.pt", weights_only=True)["history"]
+    history = history_rows(torch.load(run / "checkpoint.pt", weights_only=True))
     assert not any("clients" in row for row in history)
     assert json.loads((run / "summary.json").read_text())["dp"]["sampling"] == "secret"
 

@@ -24,13 +24,15 @@ from typing import Any
 import pytest
 import torch
 
+from contrafl.engine.checkpoint import history_rows
+
 DIGEST = Path(__file__).with_name("run_digest.json")
 RUN = ["dataset=digits", "algorithm=moon", "rounds=3", "num_clients=4", "sample_fraction=0.75",
        "local_epochs=1", "checkpoint_every=1", "seed=3"]
 EXECUTORS = {"sequential": ["executor=sequential"], "distributed": ["executor=distributed", "workers=2"]}
 PORTABLE = {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE", "ONEDNN_MAX_CPU_ISA": "SSE41",
             "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-TIMINGS = {"wall_time_s"}  # the only entry of a checkpoint that is not computed
+NOT_COMPUTED = {"wall_time_s", "format"}  # the entries of a checkpoint that the run does not compute
 
 
 def feed(h: "hashlib._Hash", value: Any) -> None:
@@ -38,7 +40,7 @@ def feed(h: "hashlib._Hash", value: Any) -> None:
     if isinstance(value, dict):
         h.update(b"{")
         for key in sorted(value, key=repr):
-            if key in TIMINGS:
+            if key in NOT_COMPUTED:
                 continue
             h.update(repr(key).encode())
             feed(h, value[key])
@@ -58,10 +60,12 @@ def feed(h: "hashlib._Hash", value: Any) -> None:
 
 def digest(out: Path) -> dict[str, str]:
     """sha256 of what the run computed: metrics.jsonl's bytes, the checkpoint's contents
-    but its wall time, every client state file's bytes."""
+    but its wall time and format (its metrics rows unpacked), every client state file's
+    bytes."""
     found = {"metrics.jsonl": hashlib.sha256((out / "metrics.jsonl").read_bytes()).hexdigest()}
     h = hashlib.sha256()
-    feed(h, torch.load(out / "checkpoint.pt", map_location="cpu", weights_only=False))
+    checkpoint = torch.load(out / "checkpoint.pt", map_location="cpu", weights_only=False)
+    feed(h, {**checkpoint, "history": history_rows(checkpoint)})
     found["checkpoint.pt"] = h.hexdigest()
     for path in sorted((out / "client-state").iterdir()):
         found[f"client-state/{path.name}"] = hashlib.sha256(path.read_bytes()).hexdigest()

@@ -8,6 +8,7 @@ import torch
 import yaml
 
 from contrafl.config import load_config
+from contrafl.engine.checkpoint import history_rows
 from contrafl.engine.run_dir import RunDir
 from contrafl.engine.setup import prepare
 from contrafl.engine.simulation import Simulation
@@ -35,7 +36,7 @@ def test_run_directory_contents(tmp_path):
     assert summary["status"] == "completed" and summary["rounds_completed"] == 3
     assert summary["final"]["test_acc"] == rows[2]["test_acc"]
     ckpt = torch.load(run / "checkpoint.pt", weights_only=True)
-    assert ckpt["round"] == 3 and ckpt["history"] == rows
+    assert ckpt["round"] == 3 and history_rows(ckpt) == rows
     for k, v in sim.server.model.items():
         assert torch.equal(ckpt["server"]["model"][k], v)
 

@@ -11,8 +11,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from contrafl.algorithms.aggregation import sample_weights, weighted_average
 from contrafl.algorithms.base import Reply, TensorSpec, spec_of
 from contrafl.cli import main
+from contrafl.engine.checkpoint import history_rows, load_safe, pack_history
 from contrafl.config import load_config
-from contrafl.engine.checkpoint import load_safe
 from contrafl.engine.setup import prepare
 from contrafl.engine.simulation import Simulation
 from contrafl.execution.validate import begin_check, check_reply, finish_checks, norm_outliers, update_norm
@@ -194,7 +194,7 @@ def test_malicious_checkpoint_executes_nothing_and_gives_one_line(tmp_path, caps
     marker = tmp_path / "pwned"
     payload = torch.load(run / "checkpoint.pt", weights_only=True)
     payload["round"] = 1
-    payload["history"] = payload["history"][:1]
+    payload["history"] = pack_history(history_rows(payload)[:1])
     payload["server"]["extras"] = {"x": _Exploit(marker)}
     torch.save(payload, run / "checkpoint.pt")
     summary = json.loads((run / "summary.json").read_text())  # as a run stopped after round 1

@@ -5,7 +5,9 @@ and renames it over the target, so a reader (or a run resumed after ``kill -9``)
 either the previous file or the new one, never a torn one. :func:`load_safe` reads with
 ``torch.load(weights_only=True)``: only tensors and plain containers (dict, list, tuple,
 numbers, strings) are rebuilt, so a crafted file cannot execute code on loading; any
-problem with the file is one :class:`~contrafl.errors.CheckpointError` line.
+problem with the file is one :class:`~contrafl.errors.CheckpointError` line. The
+metrics rows travel as one pickle of plain values (:func:`pack_history`), read by an
+unpickler that rebuilds no class and calls no function (:func:`history_rows`).
 :func:`check_checkpoint`, :func:`client_files` and :func:`check_client_state` check
 what a loaded file holds before anything uses it: a malformed or edited checkpoint is one
 such line too, and never makes a run read, change or remove files outside its own
@@ -14,7 +16,9 @@ such line too, and never makes a run read, change or remove files outside its ow
 
 from __future__ import annotations
 
+import io
 import math
+import pickle
 import re
 import warnings
 from collections.abc import Callable, Mapping
@@ -28,8 +32,11 @@ from ..errors import CheckpointError
 from ..files import write_atomic
 from .run_dir import to_json
 
-CHECKPOINT_FORMAT = 1
-"""Version of the checkpoint's layout; a checkpoint of another one is refused."""
+CHECKPOINT_FORMAT = 2
+"""Version of the checkpoint's layout: 2 since its ``history`` is :func:`pack_history`'s
+bytes. A checkpoint of format 1 (the rows themselves) is read too; any other is refused."""
+
+READ_FORMATS = (1, CHECKPOINT_FORMAT)
 
 CHECKPOINT_KEYS = (
     "format", "round", "fingerprint", "config", "server", "server_optimizer", "clients", "history", "comm_total",
@@ -45,6 +52,36 @@ FOREIGN = "the checkpoint was not written by contrafl or was edited: start the r
 
 _REFUSED_GLOBAL = re.compile(r"GLOBAL (\S+) (?:was not an allowed global|whose module \S+ is blocked)")
 """torch's refusal of a pickle that names a Python object other than a tensor or plain container."""
+
+
+def pack_history(rows: list[dict[str, Any]]) -> bytes:
+    """The metrics rows of the rounds done as one pickle: ``torch.save`` pickles nested
+    containers object by object through Python (1,000 rows of 100 clients' accuracies:
+    102 ms, against 6 ms for these bytes), and a checkpoint is written every round."""
+    return pickle.dumps(rows, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+class _PlainValues(pickle.Unpickler):
+    """An unpickler of plain values only (dicts, lists, tuples, strings, numbers, None):
+    it finds no class or function, so a crafted pickle can build nothing else and run
+    nothing (the pickle module's "restricting globals")."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        raise pickle.UnpicklingError(f"it names {module}.{name}")
+
+
+def history_rows(obj: Mapping[str, Any]) -> Any:
+    """The metrics rows of the checkpoint ``obj``: :func:`pack_history`'s bytes read by
+    :class:`_PlainValues` (format 2), or the rows a checkpoint of format 1 holds. A value
+    that is not such bytes comes back as it is, for :func:`check_checkpoint` to refuse;
+    bytes that are not a pickle of plain values are a :class:`pickle.UnpicklingError`."""
+    history = obj.get("history")
+    if obj.get("format") == 1 or not isinstance(history, bytes):
+        return history
+    try:
+        return _PlainValues(io.BytesIO(history)).load()
+    except Exception as exc:  # any failure of a crafted or torn pickle
+        raise pickle.UnpicklingError(str(exc) or type(exc).__name__) from None
 
 
 def save_atomic(obj: Any, path: Path) -> None:
@@ -174,10 +211,10 @@ def check_checkpoint(obj: Any, path: Path, cfg: Config, model: Mapping[str, torc
 
     if not isinstance(obj, dict):
         raise bad("the file's content", obj, f"a dict of {', '.join(CHECKPOINT_KEYS)}")
-    if "format" in obj and obj["format"] != CHECKPOINT_FORMAT:
+    if "format" in obj and obj["format"] not in READ_FORMATS:
         raise CheckpointError(
-            f"checkpoint {path} has format {_short(obj['format'])}, not {CHECKPOINT_FORMAT}: it was written by another "
-            "contrafl version; resume it with that version, or start the run again in a new directory"
+            f"checkpoint {path} has format {_short(obj['format'])}, not {' or '.join(map(str, READ_FORMATS))}: it was written "
+            "by another contrafl version; resume it with that version, or start the run again in a new directory"
         )
     missing = [key for key in CHECKPOINT_KEYS if key not in obj]
     if missing:
@@ -201,7 +238,12 @@ def check_checkpoint(obj: Any, path: Path, cfg: Config, model: Mapping[str, torc
     rounds = obj["round"]
     if not (is_whole(rounds) and 0 <= rounds <= cfg.rounds):
         raise bad("round", rounds, f"the rounds done, a whole number in 0..{cfg.rounds}")
-    history = obj["history"]
+    if obj["format"] != 1 and not isinstance(obj["history"], bytes):
+        raise bad("history", obj["history"], "the metrics rows of the rounds done, pickled (bytes)")
+    try:
+        history = history_rows(obj)
+    except pickle.UnpicklingError as exc:
+        raise CheckpointError(f"checkpoint {path}: history is not a pickle of plain values ({exc}); {FOREIGN}") from None
     if not (isinstance(history, list) and len(history) == rounds):
         raise bad("history", history, f"a list of {rounds} rows, one per round done")
     for i, row in enumerate(history, 1):

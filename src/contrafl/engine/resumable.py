@@ -20,7 +20,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ..algorithms.base import ServerState
-from .checkpoint import CHECKPOINT_FORMAT, check_checkpoint, check_client_state, is_whole, save_atomic
+from .checkpoint import CHECKPOINT_FORMAT, check_checkpoint, check_client_state, history_rows, is_whole, pack_history, save_atomic
 
 
 class Resumable:
@@ -41,7 +41,7 @@ class Resumable:
                 "server": {"model": self.server.model, "extras": self.server.extras},
                 "server_optimizer": self.server_opt.state_dict(),
                 "clients": manifest,
-                "history": self.history,
+                "history": pack_history(self.history),
                 "comm_total": self.comm_total,
                 "privacy": self.privacy.state_dict() if self.privacy is not None else {},
                 **({"aggregator": self.robust.state_dict()} if self.robust is not None else {}),
@@ -68,7 +68,7 @@ class Resumable:
         self.server = ServerState(on_device["server"]["model"], on_device["server"]["extras"])
         self.server_opt.load_state_dict(on_device["server_optimizer"])
         self.store.restore(checkpoint["clients"], check_client_state)
-        self.history = list(checkpoint["history"])
+        self.history = list(history_rows(checkpoint))
         self.comm_total = checkpoint["comm_total"]
         self.rounds_done = self.checkpointed = int(checkpoint["round"])
         if self.privacy is not None:  # the rows metrics.jsonl published after the checkpoint count too
