@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from contrafl.algorithms import attacks, robust
+from contrafl.engine.attacking import SPREAD_ATTACKS
 from conftest import BYZFL_MISSING, load_byzfl
 
 TOL = {"rtol": 1e-12, "atol": 1e-12}
@@ -180,6 +181,21 @@ def test_min_max_and_min_sum_send_the_mean_when_no_gamma_fits():
     x = honest(1, 0).expand(5, -1)
     torch.testing.assert_close(attacks.min_max(x), x[0], rtol=0, atol=0)
     torch.testing.assert_close(attacks.min_sum(x, "sign"), x[0], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", SPREAD_ATTACKS)
+def test_an_attack_that_hides_in_the_spread_sends_a_lone_update_as_it_is(name):
+    """ALIE, min-max and min-sum need the spread of several updates: from one honest
+    update they send that update (an attack with no spread to hide in), from two they
+    depart from it."""
+    from contrafl.config import Component
+    from contrafl.engine.attacking import Attack
+
+    attack = Attack(Component(name, {"clients": [0]}), num_clients=4, seed=0, server_lr=1.0)
+    one = torch.randn(1, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(attack.vector(one, f=1, n=2), one[0])
+    two = torch.cat([one, one + 1])
+    assert not torch.equal(attack.vector(two, f=1, n=3), two.mean(dim=0))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

@@ -70,6 +70,12 @@ ATTACKS = {
 NAMES = tuple(ATTACKS)
 DATA_ATTACKS = ("label_flipping", "backdoor", "model_replacement")
 """Attacks on the attackers' training data, which need labels and fixed attackers."""
+SPREAD_ATTACKS = ("alie", "min_max", "min_sum")
+"""Attacks that hide in the spread of several updates: from one update alone they send its value."""
+SCALE_ONE = ("backdoor",)
+"""Attacks that read ``attack.scale`` and default it to 1; the others default it to
+``n / server_lr`` (``n``: the replies the server aggregates), which replaces the global
+model under the mean."""
 
 
 @dataclass(frozen=True)
@@ -203,7 +209,7 @@ class Attack:
                 out[c] = dataclasses.replace(replies[c], payload=crafted)
             return out
         if self.name in DATA_ATTACKS:  # trained on poisoned data; scaled where asked
-            scale = self.params.scale if self.params.scale is not None else 1.0 if self.name == "backdoor" else len(replies) / self.server_lr
+            scale = self.params.scale if self.params.scale is not None else 1.0 if self.name in SCALE_ONE else len(replies) / self.server_lr
             if self.name == "label_flipping" or scale == 1.0:
                 return {}
             return {c: dataclasses.replace(replies[c], payload=map_update(replies[c].payload, message_of[c], lambda k, u: u * scale)) for c in mine}
@@ -228,19 +234,19 @@ class Attack:
         """The omniscient attacks' one vector from the ``honest`` updates ``[h, d]``, for
         ``f`` attackers among ``n`` replies."""
         p = self.params
+        if self.name in SPREAD_ATTACKS and len(honest) < 2:
+            return honest.mean(dim=0)  # no spread to hide in
         if self.name == "sign_flipping":
             return attacks.sign_flipping(honest)
         if self.name == "inner_product_manipulation":
             return attacks.inner_product_manipulation(honest, p.epsilon)
         if self.name == "alie":
-            if len(honest) < 2:
-                return honest.mean(dim=0)  # no spread to hide in
             z = p.z if p.z is not None else attacks.alie_z_max(n, f) if 0 < (n // 2 + 1) - f < n else 0.0
             return attacks.alie(honest, f, z)
         if self.name == "min_max":
-            return attacks.min_max(honest, p.perturbation) if len(honest) > 1 else honest.mean(dim=0)
+            return attacks.min_max(honest, p.perturbation)
         if self.name == "min_sum":
-            return attacks.min_sum(honest, p.perturbation) if len(honest) > 1 else honest.mean(dim=0)
+            return attacks.min_sum(honest, p.perturbation)
         return None
 
 

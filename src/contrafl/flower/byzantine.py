@@ -38,15 +38,10 @@ from typing import Any
 
 from .. import params as P
 from ..config import Component, Config
-from ..engine.attacking import READS, Attack, AttackParams, resolve_attack
+from ..engine.attacking import READS, SCALE_ONE, SPREAD_ATTACKS, Attack, AttackParams, resolve_attack
 from ..engine.sampling import clients_per_round
 from ..errors import ConfigError
 
-NEED_OTHERS = ("alie", "min_max", "min_sum")
-"""Attacks that need the spread of several updates: from the attacker's own alone they send it unchanged."""
-SCALE_ONE = ("backdoor",)
-"""Attacks that read ``attack.scale`` and default it to 1; the others default it to
-``n / server_lr``, which needs the number of replies the server aggregates."""
 CHOSEN_BY_SERVER = ("clients", "fraction", "choice", "omniscient")
 """Options that a Byzantine SuperNode does not take: who attacks, and what it sees."""
 DOC = "docs/flower.md, \"Byzantine SuperNodes\""
@@ -54,7 +49,7 @@ DOC = "docs/flower.md, \"Byzantine SuperNodes\""
 
 def problem(name: str, scale: float | None) -> str | None:
     """Why a SuperNode cannot make attack ``name`` (with ``attack.scale`` ``scale``), or None."""
-    if name in NEED_OTHERS:
+    if name in SPREAD_ATTACKS:
         return (f"attack={name} needs the spread of several updates, and a SuperNode sees only its own, from which it would send "
                 "its update unchanged; use sign_flipping, inner_product_manipulation, gaussian, scaling or a data attack")
     if "scale" in READS.get(name, ()) and name not in SCALE_ONE and scale is None:
