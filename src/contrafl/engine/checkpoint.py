@@ -37,6 +37,7 @@ CHECKPOINT_FORMAT = 2
 bytes. A checkpoint of format 1 (the rows themselves) is read too; any other is refused."""
 
 READ_FORMATS = (1, CHECKPOINT_FORMAT)
+"""The formats a run resumes from."""
 
 CHECKPOINT_KEYS = (
     "format", "round", "fingerprint", "config", "server", "server_optimizer", "clients", "history", "comm_total",
