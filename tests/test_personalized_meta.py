@@ -18,7 +18,7 @@ from contrafl.execution.optim import make_optimizer
 from contrafl.execution.plan import make_plan
 from contrafl.rng import generator
 from contrafl.execution.vectorized import VectorizedExecutor
-from contrafl.models.base import FedModel
+from contrafl.models.base import FedModel, smallest_batch
 
 from conftest import simulate
 
@@ -81,6 +81,7 @@ class Ctx:
         self.cid, self.round, self.seed = cid, round, seed
         self.num_samples = len(y)
         self.label_counts = torch.bincount(y, minlength=3)
+        self.smallest_batch = smallest_batch(net.train_model)
 
     def train_data(self):
         return self.x, self.y
@@ -271,6 +272,20 @@ def test_perfedavg_evaluation_is_global_plus_one_step_and_pure():
     # another client (another stream) adapts on other samples
     other = algo.personal_model(state, message, Ctx(ctx.net, x, y, cid=1)).state
     assert not torch.equal(other["l3.weight"], first["l3.weight"])
+
+
+def test_perfedavg_evaluates_a_client_too_small_for_batch_norm_with_the_global_model():
+    """A client of one training sample cannot take the evaluation's step through
+    BatchNorm (a train-mode forward of one sample): it is evaluated with the received
+    model; two samples take the step."""
+    model = bn_model()
+    algo = PerFedAvg(PerFedAvgParams(alpha=0.3), federation(model, batch_size=3))
+    message = {"model": state_of(model)}
+    x, y = data(2)
+    one = Ctx(FunctionalNet(model), x[:1], y[:1])
+    assert one.smallest_batch == 2 and algo.personal_model({}, message, one).state is message["model"]
+    stepped = algo.personal_model({}, message, Ctx(one.net, x, y)).state
+    assert not torch.equal(stepped["l3.weight"], message["model"]["l3.weight"])
 
 
 # -- FedALA ----------------------------------------------------------------------------

@@ -76,7 +76,9 @@ class ClientContext(Protocol):
     algorithm makes outside the executor's local training (FedALA's adaptive
     aggregation, Per-FedAvg's adaptation step at evaluation), in the run's precision
     (with ``precision=bf16`` under bfloat16 autocast, its outputs in float32); ``generator(*key)`` gives
-    a random stream derived from (seed, round, client, key).
+    a random stream derived from (seed, round, client, key). ``smallest_batch``: the
+    fewest samples a train-mode forward of ``net`` takes (2 for a model with BatchNorm,
+    :func:`~contrafl.models.base.smallest_batch`; else 1).
     """
 
     cid: int
@@ -84,6 +86,7 @@ class ClientContext(Protocol):
     num_samples: int
     label_counts: torch.Tensor  # int64 [num_classes], the client's training labels
     net: "Network"
+    smallest_batch: int
 
     def initial_state(self) -> StateDict:
         """The client's own random initialisation of the model (built on demand)."""

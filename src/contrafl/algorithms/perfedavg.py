@@ -151,9 +151,11 @@ class PerFedAvg(Algorithm):
 
     def personal_model(self, state: dict[str, Any], message: dict[str, Any], ctx: ClientContext) -> PersonalModel:
         """The received global model after one SGD step (lr ``alpha``) on ``B`` training
-        samples drawn with ``ctx.generator("eval")``; ``state`` is not used or changed."""
+        samples drawn with ``ctx.generator("eval")``; ``state`` is not used or changed. A
+        client with fewer training samples than a train-mode forward takes (none; one,
+        with BatchNorm: ``ctx.smallest_batch``) is evaluated with the global model."""
         x, y = ctx.train_data()
-        if len(y) == 0:
+        if len(y) < max(ctx.smallest_batch, 1):
             return PersonalModel(message["model"])
         g = ctx.generator("eval")
         rows = torch.randperm(len(y), generator=g)[: self.federation.batch_size].to(y.device)

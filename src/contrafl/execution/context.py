@@ -80,6 +80,7 @@ class Context:
         self.num_samples = len(sim.rows[cid])
         self.label_counts = sim.label_counts[cid]
         self.net = sim.client_net
+        self.smallest_batch = sim.smallest_batch
 
     def initial_state(self) -> StateDict:
         return self._sim.initial_state(self.cid)
