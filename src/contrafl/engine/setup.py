@@ -547,10 +547,11 @@ def build(requested: Config, cfg: Config, data: FederatedDataset, partition: Par
         )
     model_factory = functools.partial(init_model, cfg, data, algo_cls, algo_params)
     model = model_factory(derive_seed(cfg.seed, "global-init"))
-    if cfg.batch_size < smallest_batch(model):
+    smallest = smallest_batch(model)
+    if cfg.batch_size < smallest:
         raise ConfigError(
             f"batch_size={cfg.batch_size} cannot train model {cfg.model.name}: its BatchNorm layers normalise each "
-            f"feature over a batch, which needs at least {smallest_batch(model)} samples; use batch_size=2 or more"
+            f"feature over a batch, which needs at least {smallest} samples; use batch_size={smallest} or more"
         )
     cfg, notes = check_vectorizable(requested, cfg, model, shape)
     cfg = choose_stacking(requested, cfg, model, partition, algo_cls)
