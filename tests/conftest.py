@@ -36,6 +36,27 @@ def pytest_xdist_auto_num_workers(config) -> int:
     return cpu_cores()
 
 
+LOG_LINES = 40
+"""Lines of each Flower process's log shown with a failed test (the folder is gone by the
+time a CI's output is read)."""
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test that ran a Flower deployment in its ``tmp_path``: the last
+    :data:`LOG_LINES` lines of each of its processes' logs (``logs/*.log``) and of the
+    ``contrafl deploy`` output it kept (``*.err``), as sections of its report."""
+    outcome = yield
+    report = outcome.get_result()
+    tmp_path = getattr(item, "funcargs", {}).get("tmp_path")
+    if not report.failed or call.when != "call" or tmp_path is None:
+        return
+    logs = sorted(p for p in Path(tmp_path).rglob("*") if p.is_file() and (p.parent.name == "logs" and p.suffix == ".log" or p.suffix == ".err"))
+    for log in logs[:30]:
+        tail = log.read_text(errors="replace").splitlines()[-LOG_LINES:]
+        report.sections.append((f"last {len(tail)} lines of {log.relative_to(tmp_path)}", "\n".join(tail)))
+
+
 def setup_warnings(*overrides: str) -> list[str]:
     """The warnings of a run of ``overrides`` (digits by default), before it trains."""
     return prepare(load_config(None, list(overrides))).warnings

@@ -17,6 +17,7 @@ pytest.importorskip("flwr", reason="Flower is not installed (pip install 'contra
 from flwr.common.config import parse_config_args  # noqa: E402
 
 from contrafl.errors import ConfigError  # noqa: E402
+from contrafl.flower.lifetime import descendants  # noqa: E402
 from contrafl.flower.launch import (  # noqa: E402
     FLWR_EXECUTABLES,
     FlowerLaunchError,
@@ -47,8 +48,15 @@ def _running(pid: int) -> bool:
     return stat is not None and stat[stat.rindex(")") + 2] != "Z"
 
 
+def _argv(pid: int) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+    except OSError:
+        return []
+
+
 def _run_echo(tmp_path: Path, tls: bool) -> None:
-    """Start 2 nodes, run the echo app, check its output, restart a node (and, insecure,
+    """Start 2 nodes (insecure: kill one's ClientApp runner), run the echo app, check its output, restart a node (and, insecure,
     the SuperLink), check that stop() leaves no process behind. The nodes are
     ``contrafl-supernode`` s, whose ClientApps of any app run in one process each (the
     echo app's replies count the rounds in ``context.state``, which its SuperNode keeps
@@ -59,6 +67,9 @@ def _run_echo(tmp_path: Path, tls: bool) -> None:
     )
     with dep:
         assert all(dep.node_ids)
+        if not tls:  # a runner killed: its SuperNode starts a new one, whose ClientApps answer the run's messages
+            (runner,) = [pid for pid, _ in descendants(dep._nodes[1].popen.pid) if _argv(pid)[1:3] == ["-m", "contrafl.flower.runner"]]
+            os.kill(runner, signal.SIGKILL)
         for node in dep._nodes:  # two SuperNodes with torch's default threads: more than the cores
             environ = Path(f"/proc/{node.popen.pid}/environ").read_bytes().split(b"\0")
             assert f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'PASSIVE')}".encode() in environ
@@ -66,6 +77,9 @@ def _run_echo(tmp_path: Path, tls: bool) -> None:
         result = dep.run(ECHO_APP, {"out": str(out), "message": MESSAGE}, timeout=90)
         assert result.returncode == 0 and result.status == "finished:completed"
         assert str(result.run_id) in result.log_path.read_text()
+        if not tls:
+            log = (tmp_path / "deploy" / "logs" / "supernode-1.log").read_text()
+            assert f"its ClientApp runner (pid {runner}) was killed by SIGKILL" in log and "starting a new one" in log
         print(f"echo run ({'TLS' if tls else 'insecure'}): {result.seconds:.1f} s")
 
         old_id = dep.node_ids[1]
@@ -86,6 +100,8 @@ def _run_echo(tmp_path: Path, tls: bool) -> None:
         assert len(pids) >= 6  # SuperLink, 2 SuperNodes and a ClientApp runner for each
     assert pids and not [p for p in pids if _running(p)]
     assert dep.pids() == set()
+    restarts = [(tmp_path / "deploy" / "logs" / f"supernode-{i}.log").read_text().count("starting a new one") for i in (0, 1)]
+    assert restarts == [0, 1 if not tls else 0]  # none when a SuperNode was stopped (SIGTERM) or exited (its SuperLink restarted)
 
     data = json.loads(out.read_text())
     assert data["message"] == MESSAGE

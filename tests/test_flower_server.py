@@ -55,12 +55,14 @@ class StandInGrid:
         for message in messages:
             message_id = message.metadata.__dict__["_message_id"] = str(uuid.uuid4())
             node = message.metadata.dst_node_id
+            ids.append(message_id)
+            if self.nodes[node].get("silent"):  # online, but its ClientApps never run
+                continue
             context = Context(1, node, dict(self.nodes[node]), RecordDict(), self.run_config)
             try:
                 self.replies[message_id] = client_app.app(message, context)
             except Exception as exc:
                 self.replies[message_id] = error_reply(exc, message)
-            ids.append(message_id)
         return ids
 
     def pull_messages(self, message_ids) -> list[Message]:
@@ -123,9 +125,13 @@ def test_every_round_needs_min_replies_whatever_keeps_the_clients_from_replying(
     data (the SuperNode's data-dir has no dataset files) counts as missing too, found when
     the server first asks its SuperNode whom it serves (the answer comes once the client
     is loaded): min_replies=3 stops the run before it trains, with the node's one-line
-    reason."""
+    reason. A SuperNode online that never answers (its ClientApps do not run) is named, and one
+    that does not say which partition it serves with its reason."""
     with pytest.raises(ContraflError, match=r"^round 1: 0 of 3 clients have a SuperNode that can serve them, fewer than min_replies=1 \(client 0: no SuperNode serves partition 0"):
         run_on(tmp_path / "none", {}, min_replies=1)
+    with pytest.raises(ContraflError) as stopped:
+        run_on(tmp_path / "silent", {11: {"partition-id": 0}, 14: {"partition-id": 1, "silent": True}, 15: {}}, min_replies=2)
+    assert "(client 1: no SuperNode serves partition 1 (waited wait-nodes=0.3s; SuperNode 14 did not say which partition it serves; SuperNode 15 is not used: " in str(stopped.value)
     capsys.readouterr()
 
     assert run_on(tmp_path / "accepted", {}, min_replies=0)["status"] == "completed"

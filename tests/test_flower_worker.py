@@ -192,6 +192,46 @@ def test_contrafl_supernode_caps_the_supernodes_waits_and_runs_clientapps_in_the
     assert supernode.poll_interval() == 0.5
 
 
+class Exits:
+    """A process that has exited with ``status``."""
+
+    def __init__(self, pid: int, status: int) -> None:
+        self.pid, self.status = pid, status
+
+    def wait(self) -> int:
+        return self.status
+
+
+def test_a_runner_that_exits_is_started_again_unless_its_supernode_stops(monkeypatch, capsys):
+    """:func:`supernode.keep_running` starts a runner that exited again, with one line,
+    waiting longer while they die young; once the SuperNode is stopping it starts none."""
+    import threading
+
+    waits, stopping = [], threading.Event()
+    monkeypatch.setattr(stopping, "wait", lambda seconds: waits.append(seconds) or len(waits) > 3)
+    started = iter([Exits(2, 1), Exits(3, 0), Exits(4, 0)])
+    supernode.keep_running(Exits(1, -signal.SIGKILL), lambda: next(started), stopping)
+    assert waits == [1.0, 2.0, 4.0, 8.0]  # each died young: the wait doubles
+    err = capsys.readouterr().err.splitlines()
+    assert [line.split(" after ")[0] for line in err] == [
+        "contrafl-supernode: its ClientApp runner (pid 1) was killed by SIGKILL",
+        "contrafl-supernode: its ClientApp runner (pid 2) exited with status 1",
+        "contrafl-supernode: its ClientApp runner (pid 3) exited with status 0",
+    ]
+    assert next(started, None) is None and len(err) == 3  # stopping: the last one that exited is not replaced
+
+    before = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:  # SIGTERM sets the flag, and the handler installed before (flwr's) still runs
+        got = []
+        signal.signal(signal.SIGTERM, lambda *_: got.append("flwr"))
+        flag = supernode.stopping_flag()
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert flag.wait(5) and got == ["flwr"]
+    finally:
+        for signum, handler in before.items():
+            signal.signal(signum, handler)
+
+
 def test_the_clientapp_imports_neither_torch_nor_the_engine():
     """What every message's ClientApp process imports: flwr and contrafl's light modules
     (the worker holds torch)."""

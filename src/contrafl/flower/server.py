@@ -193,12 +193,18 @@ class GridTransport:
         return encode({"round": t, "client": cid, "message": message_for(cid), **extra})
 
     def missing(self, cids: list[int], node_of: dict[int, int]) -> dict[int, str]:
-        """``{client without a node: why}`` among ``cids``."""
+        """``{client without a node: why}`` among ``cids``. Where no node serves a client,
+        the reason also names the SuperNodes that were asked and have not said which
+        partition they serve (online, but their ClientApps do not run) and those that
+        said nothing usable, with why: one of them may be the node meant for it."""
         unfit = {cid: why for cid, why in self.unfit.values() if cid is not None}
-        return {
-            cid: self.offline.get(cid) or unfit.get(cid, f"no SuperNode serves partition {cid} (waited wait-nodes={self.wait_nodes:g}s)")
-            for cid in cids if cid not in node_of
-        }
+        absent = f"waited wait-nodes={self.wait_nodes:g}s"
+        if silent := sorted(set(self.queries.values()) - self.gone):  # online, asked, no answer: their ClientApps do not run
+            absent += f"; SuperNode {', '.join(map(str, silent))} did not say which partition {'it serves' if len(silent) == 1 else 'they serve'}"
+        for node, (cid, why) in sorted(self.unfit.items()):
+            if cid is None:  # a node whose partition nobody knows may be the one meant for it
+                absent += f"; SuperNode {node} is not used: {why}"
+        return {cid: self.offline.get(cid) or unfit.get(cid, f"no SuperNode serves partition {cid} ({absent})") for cid in cids if cid not in node_of}
 
     def replies(self, message_ids: list[str], timeout: float) -> Iterator[Message]:
         """The replies to ``message_ids`` as they arrive (:func:`pull_replies`). Answers to
