@@ -204,19 +204,20 @@ class Exits:
 
 def test_a_runner_that_exits_is_started_again_unless_its_supernode_stops(monkeypatch, capsys):
     """:func:`supernode.keep_running` starts a runner that exited again, with one line,
-    waiting longer while they die young; once the SuperNode is stopping it starts none."""
+    waiting longer while they die young, and longer still after a SIGTERM (the SuperNode's
+    group stopped?); once the SuperNode is stopping it starts none."""
     import threading
 
     waits, stopping = [], threading.Event()
     monkeypatch.setattr(stopping, "wait", lambda seconds: waits.append(seconds) or len(waits) > 3)
-    started = iter([Exits(2, 1), Exits(3, 0), Exits(4, 0)])
+    started = iter([Exits(2, -signal.SIGTERM), Exits(3, 1), Exits(4, 0)])
     supernode.keep_running(Exits(1, -signal.SIGKILL), lambda: next(started), stopping)
-    assert waits == [1.0, 2.0, 4.0, 8.0]  # each died young: the wait doubles
+    assert waits == [1.0, supernode.GROUP_STOP_S, 4.0, 8.0]  # each died young: the wait doubles; a SIGTERM waits longer for a stop
     err = capsys.readouterr().err.splitlines()
     assert [line.split(" after ")[0] for line in err] == [
         "contrafl-supernode: its ClientApp runner (pid 1) was killed by SIGKILL",
-        "contrafl-supernode: its ClientApp runner (pid 2) exited with status 1",
-        "contrafl-supernode: its ClientApp runner (pid 3) exited with status 0",
+        "contrafl-supernode: its ClientApp runner (pid 2) was killed by SIGTERM",
+        "contrafl-supernode: its ClientApp runner (pid 3) exited with status 1",
     ]
     assert next(started, None) is None and len(err) == 3  # stopping: the last one that exited is not replaced
 

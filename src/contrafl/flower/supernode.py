@@ -55,6 +55,9 @@ RESTART_S = (0.5, 10.0)
 """The first and the longest wait before a runner that exited is started again."""
 STEADY_S = 30.0
 """A runner that ran this long before it exited is started again after the first wait."""
+GROUP_STOP_S = 5.0
+"""How long a runner ended by SIGTERM or SIGINT waits for its SuperNode's stop before it
+is started again."""
 PULL_BACKOFF_S = (0.02, 0.5)
 """The first and the longest wait before asking again for a part of a message that is
 not there yet (flwr's are 1 s and 10 s): the SuperNode sees a message while the server
@@ -99,15 +102,17 @@ def stopping_flag() -> threading.Event:
 
 def keep_running(process: subprocess.Popen, start: Callable[[], subprocess.Popen], stopping: threading.Event) -> None:
     """Start ``process`` again (``start()``) each time it exits, unless ``stopping`` is set
-    (a signal to the SuperNode's group reaches both processes; the decision waits for it
-    the first of :data:`RESTART_S`). One that dies within :data:`STEADY_S` of its start
-    is started after a wait that doubles, up to the second of :data:`RESTART_S`."""
+    (a signal to the SuperNode's group reaches both processes: the decision waits for it
+    the first of :data:`RESTART_S`, and :data:`GROUP_STOP_S` after a SIGTERM or SIGINT,
+    which the SuperNode is likely to have got too). One that dies within
+    :data:`STEADY_S` of its start is started after a wait that doubles, up to the
+    second of :data:`RESTART_S`."""
     wait, began = RESTART_S[0], time.monotonic()
     while True:
         status = process.wait()
         lived = time.monotonic() - began
         wait = RESTART_S[0] if lived > STEADY_S else min(2 * wait, RESTART_S[1])
-        if stopping.wait(wait):
+        if stopping.wait(max(wait, GROUP_STOP_S) if status in (-signal.SIGTERM, -signal.SIGINT) else wait):
             return
         how = f"was killed by {signal.Signals(-status).name}" if status < 0 else f"exited with status {status}"
         print(f"contrafl-supernode: its ClientApp runner (pid {process.pid}) {how} after {lived:.0f} s; "
