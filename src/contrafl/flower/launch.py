@@ -66,7 +66,7 @@ from typing import TYPE_CHECKING, TextIO
 
 from contrafl.cores import cpu_cores
 from contrafl.errors import ConfigError, ContraflError
-from contrafl.flower.lifetime import MARK, alive, descendants, dying_with, end, marked, program
+from contrafl.flower.lifetime import MARK, alive, descendants, dying_with, end, ended, marked, program
 
 if TYPE_CHECKING:
     from contrafl.flower.auth import NodeKey
@@ -252,11 +252,8 @@ class _Process:
         return self.popen is not None and self.popen.poll() is None
 
     def death(self) -> str:
-        """How the current process ended: ``killed by SIGKILL`` or ``exited with status 1``."""
-        code = self.popen.returncode if self.popen is not None else None
-        if code is not None and code < 0:
-            return f"was killed by {signal.Signals(-code).name}"
-        return f"exited with status {code}"
+        """How the current process ended (:func:`~contrafl.flower.lifetime.ended`)."""
+        return ended(self.popen.returncode if self.popen is not None else None)
 
     def log_text(self) -> str:
         """What the current process wrote to its log so far."""

@@ -37,6 +37,17 @@ MARK = "CONTRAFL_DEPLOYMENT"
 _PR_SET_PDEATHSIG = 1
 
 
+def ended(returncode: int | None) -> str:
+    """How a process with ``returncode`` ended: ``was killed by SIGKILL``, ``was killed by
+    signal 40`` (a real-time signal has no name) or ``exited with status 1``."""
+    if returncode is None or returncode >= 0:
+        return f"exited with status {returncode}"
+    try:
+        return f"was killed by {signal.Signals(-returncode).name}"
+    except ValueError:
+        return f"was killed by signal {-returncode}"
+
+
 def proc_stat(pid: int) -> tuple[int, str, int] | None:
     """``(parent pid, state, start time in clock ticks)`` of a process from ``/proc``, or
     None when it is gone (or there is no ``/proc``)."""

@@ -48,6 +48,8 @@ from collections.abc import Callable
 from functools import partial
 from types import SimpleNamespace
 
+from .lifetime import ended
+
 POLL_S = 0.2
 RETRY_S = 5.0
 """The longest wait between two attempts to reach the SuperLink (flwr's is 20 s)."""
@@ -114,18 +116,9 @@ def keep_running(process: subprocess.Popen, start: Callable[[], subprocess.Popen
         wait = RESTART_S[0] if lived > STEADY_S else min(2 * wait, RESTART_S[1])
         if stopping.wait(max(wait, GROUP_STOP_S) if status in (-signal.SIGTERM, -signal.SIGINT) else wait):
             return
-        how = f"was killed by {signal_name(-status)}" if status < 0 else f"exited with status {status}"
-        print(f"contrafl-supernode: its ClientApp runner (pid {process.pid}) {how} after {lived:.0f} s; "
+        print(f"contrafl-supernode: its ClientApp runner (pid {process.pid}) {ended(status)} after {lived:.0f} s; "
               "starting a new one (a message it was answering is lost)", file=sys.stderr, flush=True)
         process, began = start(), time.monotonic()
-
-
-def signal_name(number: int) -> str:
-    """``SIGKILL`` for 9; ``signal 40`` for a number without a name (a real-time signal)."""
-    try:
-        return signal.Signals(number).name
-    except ValueError:
-        return f"signal {number}"
 
 
 def kept_running(popen: Callable[..., subprocess.Popen]) -> Callable[..., subprocess.Popen]:
